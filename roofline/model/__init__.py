@@ -1,0 +1,3 @@
+from .qwen35 import Qwen35ForCausalLM
+
+__all__ = ["Qwen35ForCausalLM"]

@@ -1,0 +1,261 @@
+"""Qwen3.5 layers in plain PyTorch: the reference path and the test oracle.
+
+Tokens of all sequences in a step are flattened to `[N, hidden]`; linears and the MoE work
+on the flat batch, while attention and Gated DeltaNet walk each sequence's span with its
+own cache. See shared docs qwen35.md for the formulas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..engine.cache import SequenceCache
+from .slots import LinearSlot, plain_parameter
+
+
+@dataclass
+class StepBatch:
+    """One forward step: `seq_lens[i]` new tokens of sequence i, flattened in order."""
+
+    seq_lens: list[int]
+    positions: torch.Tensor  # [N] absolute positions
+    caches: list[SequenceCache]
+
+    def spans(self):
+        start = 0
+        for length, cache in zip(self.seq_lens, self.caches):
+            yield slice(start, start + length), cache
+            start += length
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = plain_parameter(dim)
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Partial RoPE: the first `rotary_dim` dims of each head, rotate-half pairs (i, i + rotary_dim/2)."""
+
+    def __init__(self, rotary_dim: int, theta: float):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim], positions [T]."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(x.device)[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with a sigmoid output gate packed into q_proj ([query | gate] per head)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = LinearSlot(self.num_heads * self.head_dim * 2, h)
+        self.k_proj = LinearSlot(self.num_kv_heads * self.head_dim, h)
+        self.v_proj = LinearSlot(self.num_kv_heads * self.head_dim, h)
+        self.o_proj = LinearSlot(h, self.num_heads * self.head_dim)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        n = x.shape[0]
+        query, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.rotary(self.q_norm(query), batch.positions)
+        k = self.rotary(self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)), batch.positions)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        out = torch.empty_like(q)
+        for span, cache in batch.spans():
+            keys, values = cache.append_kv(self.layer_idx, k[span], v[span])
+            out[span] = self.attend(q[span], keys, values, batch.positions[span])
+        out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
+        return self.o_proj(out)
+
+    def attend(self, q, keys, values, q_positions):
+        """Causal GQA attention of q [t, H, d] over cached keys/values [T, Hkv, d] (key j at position j)."""
+        key_positions = torch.arange(keys.shape[0], device=q.device)
+        mask = key_positions[None, :] <= q_positions[:, None]  # [t, T]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule; per value head a [k_dim, v_dim] fp32 state."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_size, self.value_size = cfg.linear_key_dim, cfg.linear_value_dim
+        self.conv_size, self.kernel = cfg.linear_conv_dim, cfg.linear_conv_kernel_dim
+        self.eps = cfg.rms_norm_eps
+        h = cfg.hidden_size
+        self.in_proj_qkv = LinearSlot(self.conv_size, h)
+        self.in_proj_z = LinearSlot(self.value_size, h)
+        self.in_proj_b = LinearSlot(self.num_v_heads, h)
+        self.in_proj_a = LinearSlot(self.num_v_heads, h)
+        self.out_proj = LinearSlot(h, self.value_size)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = plain_parameter(self.conv_size, 1, self.kernel)
+        self.A_log = plain_parameter(self.num_v_heads, dtype=torch.float32)
+        self.dt_bias = plain_parameter(self.num_v_heads, dtype=torch.float32)
+        self.norm = nn.Module()  # gated RMSNorm over each value head; plain `w`, not 1 + w
+        self.norm.weight = plain_parameter(self.v_dim)
+
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        beta = torch.sigmoid(self.in_proj_b(x)).float()
+        decay = -self.A_log.exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # log of the per-step gate
+        core = torch.empty(x.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=x.device)
+        for span, cache in batch.spans():
+            mixed = self.causal_conv(qkv[span], cache)
+            core[span] = self.recurrence(mixed, beta[span], decay[span], cache)
+        return self.out_proj(self.gated_norm(core.to(x.dtype), z))
+
+    def causal_conv(self, qkv: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
+        """Depthwise causal conv over [cached K-1 inputs | new inputs], then SiLU; updates the cache."""
+        past = cache.conv.get(self.layer_idx)
+        if past is None:
+            past = qkv.new_zeros(self.kernel - 1, self.conv_size)
+        window = torch.cat([past, qkv])
+        cache.conv[self.layer_idx] = window[-(self.kernel - 1) :].clone()
+        weight = self.conv1d.weight
+        out = F.conv1d(window.t().unsqueeze(0).to(weight.dtype), weight, groups=self.conv_size)
+        return F.silu(out[0].t()).to(qkv.dtype)
+
+    def recurrence(self, mixed, beta, decay, cache: SequenceCache) -> torch.Tensor:
+        """S = S*exp(g); d = beta*(v - S^T k); S += k d^T; o = S^T q, token by token, in fp32."""
+        t = mixed.shape[0]
+        q, k, v = mixed.float().split([self.key_size, self.key_size, self.value_size], dim=-1)
+        group = self.num_v_heads // self.num_k_heads  # key head j // group serves value head j
+        q = l2_normalize(q.view(t, self.num_k_heads, self.k_dim)).repeat_interleave(group, dim=1) * self.k_dim**-0.5
+        k = l2_normalize(k.view(t, self.num_k_heads, self.k_dim)).repeat_interleave(group, dim=1)
+        v = v.view(t, self.num_v_heads, self.v_dim)
+        state = cache.recurrent.get(self.layer_idx)
+        if state is None:
+            state = mixed.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
+        out = torch.empty(t, self.num_v_heads, self.v_dim, dtype=torch.float32, device=mixed.device)
+        gate = decay.exp()
+        for i in range(t):
+            state = state * gate[i][:, None, None]
+            delta = (v[i] - torch.einsum("hkv,hk->hv", state, k[i])) * beta[i][:, None]
+            state = state + k[i][:, :, None] * delta[:, None, :]
+            out[i] = torch.einsum("hkv,hk->hv", state, q[i])
+        cache.recurrent[self.layer_idx] = state
+        return out
+
+    def gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Per head: w * rmsnorm(o) * silu(z), flattened back to [N, value_size]."""
+        n = core.shape[0]
+        of = core.float()
+        normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)).to(core.dtype)
+        gated = (self.norm.weight * normed).float() * F.silu(z.view(n, self.num_v_heads, self.v_dim).float())
+        return gated.to(core.dtype).reshape(n, self.value_size)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); the dense model's MLP and the MoE's shared expert."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = LinearSlot(intermediate, hidden)
+        self.up_proj = LinearSlot(intermediate, hidden)
+        self.down_proj = LinearSlot(hidden, intermediate)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Routed experts stacked: gate and up fused as one [E, 2I, H] linear, down [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up = LinearSlot(2 * intermediate, hidden, num_experts, split_rows=("gate_proj", "up_proj"))
+        self.down = LinearSlot(hidden, intermediate, num_experts, split_rows=("down_proj",))
+
+    def forward(self, x: torch.Tensor, top_experts: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for expert in top_experts.unique().tolist():
+            tokens, slot = torch.where(top_experts == expert)
+            gate, up = self.gate_up(x[tokens], expert=expert).chunk(2, dim=-1)
+            y = self.down(F.silu(gate) * up, expert=expert) * top_weights[tokens, slot, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = LinearSlot(cfg.num_experts, cfg.hidden_size)  # router
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = LinearSlot(1, cfg.hidden_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax over all experts in fp32, top-k, renormalised to sum to 1."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        return experts, (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+
+    def forward(self, x):
+        experts, weights = self.route(x)
+        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        return self.experts(x, experts, weights) + shared
+
+
+class DecoderLayer(nn.Module):
+    """h = x + mixer(norm1(x)); out = h + mlp(norm2(h))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "full_attention":
+            self.self_attn = GatedAttention(cfg, layer_idx)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        mixer = self.self_attn if self.layer_type == "full_attention" else self.linear_attn
+        h = x + mixer(self.input_layernorm(x), batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
