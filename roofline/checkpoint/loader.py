@@ -140,8 +140,9 @@ class _Planner:
         info = self.tensors[name]
         if tuple(info.shape) != tuple(param.shape):
             raise CheckpointError(f"tensor {self.where(name)}: shape {list(info.shape)}, expected {list(param.shape)}")
-        dtype = param.dtype if param.dtype == torch.float32 and info.dtype.is_floating_point else self.dtype
+        dtype = torch.float32 if param.keep_fp32 else self.dtype
         real = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=self.device), requires_grad=False)
+        real.keep_fp32 = param.keep_fp32
         self.assignments[name] = _Assignment(real)
         return real
 

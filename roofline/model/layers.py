@@ -133,8 +133,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = LinearSlot(h, self.value_size)
         self.conv1d = nn.Module()
         self.conv1d.weight = plain_parameter(self.conv_size, 1, self.kernel)
-        self.A_log = plain_parameter(self.num_v_heads, dtype=torch.float32)
-        self.dt_bias = plain_parameter(self.num_v_heads, dtype=torch.float32)
+        self.A_log = plain_parameter(self.num_v_heads, fp32=True)
+        self.dt_bias = plain_parameter(self.num_v_heads, fp32=True)
         self.norm = nn.Module()  # gated RMSNorm over each value head; plain `w`, not 1 + w
         self.norm.weight = plain_parameter(self.v_dim)
 

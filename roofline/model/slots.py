@@ -59,6 +59,12 @@ class LinearSlot(nn.Module):
         return f"out={self.out_features}, in={self.in_features}, experts={self.num_experts}"
 
 
-def plain_parameter(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
-    """A non-linear tensor (norm weight, conv kernel, ...) filled by the loader."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"), requires_grad=False)
+def plain_parameter(*shape: int, fp32: bool = False) -> nn.Parameter:
+    """A non-linear tensor (norm weight, conv kernel, ...) filled by the loader.
+
+    The loader holds it in the compute dtype, or in fp32 when `fp32` (the GDN decay parameters,
+    which the reference computes in fp32 whatever the model dtype).
+    """
+    param = nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+    param.keep_fp32 = fp32
+    return param

@@ -1,0 +1,205 @@
+"""Sampling parameters and the sampler: logits of a batch in, one token per row out.
+
+Order, as in HF and vLLM: penalties -> temperature -> top_k -> top_p -> min_p -> sample.
+Penalties: `repetition_penalty` looks at prompt + output (HF/vLLM); `presence_penalty`
+and `frequency_penalty` look at the output only (OpenAI/vLLM). The reported logprobs
+come from the model's raw distribution, before any of these transforms."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+# generation_config.json keys that give sampling defaults (do_sample is handled apart).
+_GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = None  # None = until the context limit
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs wanted per token
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self) -> SamplingParams:
+        """Raise ValueError naming the first field out of range; return self."""
+        # Written as "ok" conditions so that NaN fails them.
+        _require("temperature", self.temperature >= 0, ">= 0")
+        _require("top_p", 0 < self.top_p <= 1, "in (0, 1]")
+        _require("top_k", self.top_k >= -1, ">= -1 (0 or -1 disable it)")
+        _require("min_p", 0 <= self.min_p <= 1, "in [0, 1]")
+        _require("repetition_penalty", self.repetition_penalty > 0, "> 0")
+        _require("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]")
+        _require("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]")
+        if self.max_tokens is not None:
+            _require("max_tokens", self.max_tokens >= 1, ">= 1")
+        if self.logprobs is not None:
+            _require("logprobs", self.logprobs >= 0, ">= 0")
+        return self
+
+    @classmethod
+    def from_generation_config(cls, source: str | Path | dict, **overrides) -> SamplingParams:
+        """Defaults from a checkpoint's generation_config.json (a directory holding it, the
+        file, or its dict), replaced by every override that is not None. An explicit
+        `do_sample: false` means greedy; a missing do_sample leaves temperature as given."""
+        config = source if isinstance(source, dict) else _read_generation_config(Path(source))
+        defaults = {k: config[k] for k in _GENERATION_CONFIG_KEYS if config.get(k) is not None}
+        if config.get("do_sample") is False:
+            defaults["temperature"] = 0.0
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return cls(**{**defaults, **given}).validate()
+
+
+def _require(name: str, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}")
+
+
+def _read_generation_config(path: Path) -> dict:
+    if path.is_dir():
+        path = path / "generation_config.json"
+        if not path.exists():
+            return {}
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A per-request generator: seeded for reproducible requests, random otherwise."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+class SampleResult(NamedTuple):
+    token_ids: torch.Tensor  # LongTensor [B]
+    logprobs: torch.Tensor  # FloatTensor [B], raw log-probability of each chosen token
+    top_logprobs: list[list[tuple[int, float]] | None]  # per row, k (id, logprob) pairs or None
+
+
+class Sampler:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params_list: list[SamplingParams],
+        token_histories: list[list[int]],
+        generators: list[torch.Generator | None],
+        prompt_lens: list[int],
+    ) -> SampleResult:
+        """Pick one token per row of `logits` [B, V].
+
+        token_histories[i] holds row i's prompt + generated ids and prompt_lens[i] the
+        prompt's length within it. generators[i] drives row i's randomness (None: torch's
+        global generator; greedy rows need none)."""
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        scores = _apply_penalties(logits, params_list, token_histories, prompt_lens)
+
+        token_ids = scores.argmax(dim=-1)  # greedy rows: argmax picks the lowest index on ties
+        sampled_rows = [i for i, p in enumerate(params_list) if not p.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            token_ids[rows] = _sample_rows(
+                scores[rows],
+                [params_list[i] for i in sampled_rows],
+                [generators[i] for i in sampled_rows],
+            )
+
+        logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+        return SampleResult(token_ids, logprobs, _top_logprobs(raw_logprobs, params_list))
+
+
+def _apply_penalties(logits, params_list, token_histories, prompt_lens) -> torch.Tensor:
+    def penalised(p: SamplingParams) -> bool:
+        return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+    if not any(penalised(p) for p in params_list):
+        return logits
+    scores = logits.clone()
+    vocab = scores.shape[-1]
+    for row, p in enumerate(params_list):
+        history = torch.tensor(token_histories[row], dtype=torch.long, device=scores.device)
+        if p.repetition_penalty != 1:
+            seen = history.unique()
+            values = scores[row, seen]
+            # HF/vLLM convention: shrink positive logits, push negative ones further down.
+            scores[row, seen] = torch.where(
+                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+            )
+        if p.presence_penalty != 0 or p.frequency_penalty != 0:
+            counts = torch.bincount(history[prompt_lens[row]:], minlength=vocab)[:vocab]
+            scores[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return scores
+
+
+def _sample_rows(scores, params_list, generators) -> torch.Tensor:
+    device, vocab = scores.device, scores.shape[-1]
+
+    def per_row(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+    scores = scores / per_row([p.temperature for p in params_list])
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params_list]
+    top_p = [p.top_p for p in params_list]
+    if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
+        scores = _apply_top_k_top_p(scores, per_row(top_k).long(), per_row(top_p))
+    min_p = [p.min_p for p in params_list]
+    if any(m > 0 for m in min_p):
+        # p_i < min_p * p_max  <=>  s_i < s_max + log(min_p): no softmax needed.
+        log_min_p = per_row([math.log(m) if m > 0 else -math.inf for m in min_p])
+        threshold = scores.max(dim=-1, keepdim=True).values + log_min_p
+        scores = scores.masked_fill(scores < threshold, -math.inf)
+
+    probs = torch.softmax(scores, dim=-1)
+    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i,
+    # one batched argmax instead of a multinomial per row. The clamp keeps 0/0 out.
+    noise = torch.empty_like(probs)
+    for row, generator in enumerate(generators):
+        noise[row].exponential_(generator=generator)
+    return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(scores, top_k, top_p) -> torch.Tensor:
+    """Mask all but the top_k scores (ties with the k-th kept, as HF), then all but the
+    smallest set of the rest whose probability reaches top_p. top_k [B,1] long, top_p [B,1]."""
+    sorted_scores, order = scores.sort(dim=-1)  # ascending
+    kth_largest = sorted_scores.gather(1, sorted_scores.shape[-1] - top_k)
+    sorted_scores = sorted_scores.masked_fill(sorted_scores < kth_largest, -math.inf)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    outside_top_p = cumulative <= 1 - top_p
+    outside_top_p[:, -1] = False  # always keep the most likely token
+    sorted_scores = sorted_scores.masked_fill(outside_top_p, -math.inf)
+    return torch.empty_like(scores).scatter_(1, order, sorted_scores)
+
+
+def _top_logprobs(raw_logprobs, params_list) -> list[list[tuple[int, float]] | None]:
+    wanted = [p.logprobs for p in params_list]
+    k_max = min(max((k for k in wanted if k), default=0), raw_logprobs.shape[-1])
+    if k_max == 0:
+        return [None if k is None else [] for k in wanted]
+    values, ids = raw_logprobs.topk(k_max, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [
+        None if k is None else list(zip(ids[row][:k], values[row][:k]))
+        for row, k in enumerate(wanted)
+    ]
