@@ -10,10 +10,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import UserError
+
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """config.json is missing, unreadable or describes a model the engine does not support."""
 
 

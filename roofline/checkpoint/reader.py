@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..errors import UserError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(UserError):
     """The checkpoint is incomplete, corrupt, or does not match the model; the message names file and tensor."""
 
 

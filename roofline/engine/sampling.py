@@ -17,11 +17,13 @@ import torch
 
 # generation_config.json keys that give sampling defaults (do_sample is handled apart).
 _GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Below this temperature, logits / T overflows fp32 long before it differs from argmax (as vLLM).
+_GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below 1e-5) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = disabled
     min_p: float = 0.0
@@ -37,7 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < _GREEDY_TEMPERATURE
 
     def validate(self) -> SamplingParams:
         """Raise ValueError naming the first field out of range; return self."""
@@ -98,33 +100,50 @@ class SampleResult(NamedTuple):
 
 
 class Sampler:
+    """Stateless; one call per decode step for the whole batch.
+
+    token_histories[i] holds row i's prompt + generated ids and prompt_lens[i] the prompt's
+    length within it (repetition_penalty reads all of it, presence/frequency only the rest).
+    """
+
+    def probabilities(
+        self,
+        logits: torch.Tensor,
+        params_list: list[SamplingParams],
+        token_histories: list[list[int]],
+        prompt_lens: list[int],
+    ) -> torch.Tensor:
+        """The distribution [B, V] (fp32) each row's token is drawn from, after penalties,
+        temperature and filters; a greedy row is one-hot on its argmax (lowest index on ties).
+        Speculative decoding's acceptance test needs exactly these."""
+        scores = _apply_penalties(logits.float(), params_list, token_histories, prompt_lens)
+        probs = torch.zeros_like(scores).scatter_(1, scores.argmax(dim=-1, keepdim=True), 1.0)
+        sampled_rows = [i for i, p in enumerate(params_list) if not p.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=scores.device)
+            probs[rows] = _filtered_probs(scores[rows], [params_list[i] for i in sampled_rows])
+        return probs
+
     def sample(
         self,
         logits: torch.Tensor,
         params_list: list[SamplingParams],
         token_histories: list[list[int]],
-        generators: list[torch.Generator | None],
         prompt_lens: list[int],
+        generators: list[torch.Generator | None],
     ) -> SampleResult:
-        """Pick one token per row of `logits` [B, V].
+        """Pick one token per row of `logits` [B, V] (any float dtype).
 
-        token_histories[i] holds row i's prompt + generated ids and prompt_lens[i] the
-        prompt's length within it. generators[i] drives row i's randomness (None: torch's
-        global generator; greedy rows need none)."""
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        scores = _apply_penalties(logits, params_list, token_histories, prompt_lens)
-
-        token_ids = scores.argmax(dim=-1)  # greedy rows: argmax picks the lowest index on ties
+        generators[i] drives row i's randomness (None: torch's global generator; greedy
+        rows draw nothing). Logprobs are of the raw, unmodified distribution."""
+        probs = self.probabilities(logits, params_list, token_histories, prompt_lens)
+        token_ids = probs.argmax(dim=-1)  # final for greedy (one-hot) rows
         sampled_rows = [i for i, p in enumerate(params_list) if not p.greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
-            token_ids[rows] = _sample_rows(
-                scores[rows],
-                [params_list[i] for i in sampled_rows],
-                [generators[i] for i in sampled_rows],
-            )
+            rows = torch.tensor(sampled_rows, device=probs.device)
+            token_ids[rows] = _draw(probs[rows], [generators[i] for i in sampled_rows])
 
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
         logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
         return SampleResult(token_ids, logprobs, _top_logprobs(raw_logprobs, params_list))
 
@@ -152,31 +171,33 @@ def _apply_penalties(logits, params_list, token_histories, prompt_lens) -> torch
     return scores
 
 
-def _sample_rows(scores, params_list, generators) -> torch.Tensor:
+def _filtered_probs(scores, params_list) -> torch.Tensor:
     device, vocab = scores.device, scores.shape[-1]
 
-    def per_row(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    def per_row(values, dtype=torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)[:, None]
 
     scores = scores / per_row([p.temperature for p in params_list])
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params_list]
     top_p = [p.top_p for p in params_list]
     if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
-        scores = _apply_top_k_top_p(scores, per_row(top_k).long(), per_row(top_p))
+        scores = _apply_top_k_top_p(scores, per_row(top_k, torch.long), per_row(top_p))
     min_p = [p.min_p for p in params_list]
     if any(m > 0 for m in min_p):
         # p_i < min_p * p_max  <=>  s_i < s_max + log(min_p): no softmax needed.
         log_min_p = per_row([math.log(m) if m > 0 else -math.inf for m in min_p])
         threshold = scores.max(dim=-1, keepdim=True).values + log_min_p
         scores = scores.masked_fill(scores < threshold, -math.inf)
+    return torch.softmax(scores, dim=-1)
 
-    probs = torch.softmax(scores, dim=-1)
+
+def _draw(probs, generators) -> torch.Tensor:
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i,
     # one batched argmax instead of a multinomial per row. The clamp keeps 0/0 out.
     noise = torch.empty_like(probs)
     for row, generator in enumerate(generators):
         noise[row].exponential_(generator=generator)
-    return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 def _apply_top_k_top_p(scores, top_k, top_p) -> torch.Tensor:
