@@ -210,8 +210,10 @@ def _plain(value: Any) -> Any:
     """Plain JSON-like data for the template: dicts, lists, scalars (pydantic models dumped)."""
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
     if callable(getattr(value, "model_dump", None)):
         return _plain(value.model_dump())
     return value

@@ -1,0 +1,209 @@
+import json
+import math
+
+import pytest
+import torch
+
+from roofline.engine.sampling import Sampler, SamplingParams, make_generator
+
+sampler = Sampler()
+# Probabilities 0.4, 0.3, 0.15, 0.1, 0.05 for tokens 0..4.
+FIVE_PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+FIVE_LOGITS = FIVE_PROBS.log()[None]
+
+
+def probabilities(logits, params, history=(), prompt_len=0):
+    return sampler.probabilities(logits, [params], [list(history)], [prompt_len])[0]
+
+
+def sample(logits, params_list, generators, histories=None, prompt_lens=None):
+    rows = len(params_list)
+    return sampler.sample(
+        logits, params_list, histories or [[]] * rows, prompt_lens or [0] * rows, generators
+    )
+
+
+def renormalised(kept):
+    expected = torch.zeros(5)
+    expected[kept] = FIVE_PROBS[kept] / FIVE_PROBS[kept].sum()
+    return expected
+
+
+def test_greedy_is_argmax_with_lowest_index_on_ties():
+    logits = torch.randn(4, 50)
+    logits[3, [7, 30]] = 100.0
+    result = sample(logits, [SamplingParams(temperature=0)] * 4, [None] * 4)
+    assert result.token_ids.tolist() == logits.argmax(dim=-1).tolist()
+    assert result.token_ids[3] == 7
+
+
+def test_top_k_1_equals_greedy():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0))
+    generators = [make_generator(i) for i in range(8)]
+    top1 = sample(logits, [SamplingParams(temperature=1.5, top_k=1)] * 8, generators)
+    greedy = sample(logits, [SamplingParams(temperature=0)] * 8, [None] * 8)
+    assert torch.equal(top1.token_ids, greedy.token_ids)
+
+
+def test_seeded_runs_are_reproducible():
+    logits = torch.randn(64, 100, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1.0, top_p=0.9)]
+
+    def run(seed):
+        generator = make_generator(seed)
+        return [sample(row[None], params, [generator]).token_ids.item() for row in logits]
+
+    assert run(1234) == run(1234)
+    assert run(1234) != run(4321)
+
+
+def test_rows_are_independent_of_their_batch():
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(2))
+    params = [
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=2),
+    ]
+    batched = sample(logits, params, [make_generator(p.seed) for p in params])
+    for row, p in enumerate(params):
+        alone = sample(logits[row:row + 1], [p], [make_generator(p.seed)])
+        assert alone.token_ids.item() == batched.token_ids[row].item()
+
+
+@pytest.mark.parametrize(
+    "params, kept",
+    [
+        (SamplingParams(top_k=2), [0, 1]),
+        (SamplingParams(top_k=4), [0, 1, 2, 3]),
+        (SamplingParams(top_k=-1), [0, 1, 2, 3, 4]),
+        (SamplingParams(top_k=99), [0, 1, 2, 3, 4]),
+        (SamplingParams(top_p=0.65), [0, 1]),  # 0.4 + 0.3 reaches 0.65
+        (SamplingParams(top_p=0.75), [0, 1, 2]),
+        (SamplingParams(top_p=0.3), [0]),
+        (SamplingParams(min_p=0.3), [0, 1, 2]),  # keep p >= 0.3 * 0.4 = 0.12
+        (SamplingParams(min_p=0.5), [0, 1]),
+        # top_p acts on what top_k left, renormalised: 0.4/0.85 + 0.3/0.85 reaches 0.8 ...
+        (SamplingParams(top_k=3, top_p=0.8), [0, 1]),
+        # ... while on its own it needs three tokens.
+        (SamplingParams(top_p=0.8), [0, 1, 2]),
+    ],
+)
+def test_filters_keep_exactly_the_expected_tokens(params, kept):
+    probs = probabilities(FIVE_LOGITS, params)
+    torch.testing.assert_close(probs, renormalised(kept))
+
+
+def test_top_k_keeps_ties_with_the_kth_score():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0]])
+    assert probabilities(logits, SamplingParams(top_k=1)).nonzero().flatten().tolist() == [1, 2]
+    assert probabilities(logits, SamplingParams(top_k=3)).nonzero().flatten().tolist() == [1, 2, 3]
+
+
+def test_temperature_scales_before_the_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    # Ratios to the top: exp(-1/T) and exp(-2/T), against min_p = 0.3.
+    cold = probabilities(logits, SamplingParams(temperature=1.0, min_p=0.3))
+    hot = probabilities(logits, SamplingParams(temperature=2.0, min_p=0.3))
+    torch.testing.assert_close(cold, torch.softmax(torch.tensor([2.0, 1.0, -math.inf]), 0))
+    torch.testing.assert_close(hot, torch.softmax(logits[0] / 2, 0))
+
+
+def test_penalties_change_logits_as_specified():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    prompt, output = [0, 1], [3, 3, 1]
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    probs = probabilities(logits, params, prompt + output, prompt_len=len(prompt))
+    expected = torch.tensor([
+        2.0 / 2,  # in the prompt only: repetition penalty alone
+        -1.0 * 2 - 0.25 * 1 - 0.5,  # negative: multiplied; once in the output
+        0.5,  # never seen
+        3.0 / 2 - 0.25 * 2 - 0.5,  # twice in the output
+        -2.0,
+    ])
+    torch.testing.assert_close(probs, torch.softmax(expected, 0))
+
+
+def test_penalties_apply_to_greedy_rows():
+    logits = torch.tensor([[3.0, 2.5, 0.0]])
+    params = SamplingParams(temperature=0, repetition_penalty=1.5)
+    assert sample(logits, [params], [None], [[0]], [1]).token_ids.item() == 1
+
+
+def test_logprobs_come_from_the_raw_distribution():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    params = [
+        SamplingParams(temperature=0.5, top_k=5, repetition_penalty=1.3, logprobs=3),
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=1.0),
+    ]
+    histories = [[1, 2, 3]] * 3
+    result = sample(logits, params, [make_generator(9)] * 3, histories, [1] * 3)
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    assert result.token_ids.dtype == torch.long and result.logprobs.dtype == torch.float32
+    torch.testing.assert_close(result.logprobs, raw.gather(1, result.token_ids[:, None])[:, 0])
+    top_values, top_ids = raw[0].topk(3)
+    assert [token for token, _ in result.top_logprobs[0]] == top_ids.tolist()
+    assert [value for _, value in result.top_logprobs[0]] == pytest.approx(top_values.tolist())
+    assert result.top_logprobs[1] == [] and result.top_logprobs[2] is None
+
+
+def test_temperature_sampling_matches_softmax():
+    """Chi-square goodness of fit over 20,000 draws from a 5-token vocabulary."""
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.5])
+    temperature, draws = 0.7, 20_000
+    generator = make_generator(2024)
+    result = sample(
+        logits.expand(draws, 5), [SamplingParams(temperature=temperature)] * draws,
+        [generator] * draws,
+    )
+    observed = torch.bincount(result.token_ids, minlength=5).float()
+
+    def chi_square(probs):
+        expected = probs * draws
+        return ((observed - expected) ** 2 / expected).sum().item()
+
+    # 4 degrees of freedom: P(chi2 > 18.47) = 0.001 under the right distribution.
+    assert chi_square(torch.softmax(logits / temperature, 0)) < 18.47
+    # The test can tell temperature 0.7 from temperature 1.
+    assert chi_square(torch.softmax(logits, 0)) > 100
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1), ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.5),
+        ("top_k", -2), ("min_p", 1.1), ("repetition_penalty", 0.0),
+        ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("max_tokens", 0),
+        ("logprobs", -1),
+    ],
+)
+def test_validate_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        SamplingParams(**{field: value}).validate()
+
+
+def test_defaults_are_valid():
+    assert SamplingParams().validate() == SamplingParams()
+
+
+def test_generation_config_defaults_and_overrides(tmp_path):
+    config = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
+              "repetition_penalty": 1.05, "eos_token_id": [1, 2]}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    for source in (tmp_path, tmp_path / "generation_config.json", config):
+        params = SamplingParams.from_generation_config(source)
+        assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (
+            0.6, 0.95, 20, 1.05
+        )
+    params = SamplingParams.from_generation_config(config, top_p=0.5, temperature=None, seed=7)
+    assert (params.temperature, params.top_p, params.seed) == (0.6, 0.5, 7)
+
+
+def test_generation_config_greedy_and_missing(tmp_path):
+    greedy = {"do_sample": False, "temperature": 0.6}
+    assert SamplingParams.from_generation_config(greedy).greedy
+    assert SamplingParams.from_generation_config(greedy, temperature=0.7).temperature == 0.7
+    assert SamplingParams.from_generation_config({"temperature": 0.6}).temperature == 0.6
+    assert SamplingParams.from_generation_config(tmp_path) == SamplingParams()
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams.from_generation_config({"top_p": 0})
