@@ -1,0 +1,173 @@
+"""The engine API used by the CLI and the server: sequences in, tokens and text out.
+
+Every `step()` runs one forward over all active sequences (new ones with their whole prompt,
+running ones with their last token), samples one token per sequence, and reports what each
+sequence produced. Admission control and HTTP live in the server; this owns model state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import load_model
+from ..hub import resolve_model
+from ..model import Qwen35ForCausalLM
+from .cache import SequenceCache
+from .sampling import Sampler, SamplingParams, make_generator
+from .stops import StopStringMatcher
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("roofline.engine")
+
+
+class PromptTooLong(ValueError):
+    def __init__(self, prompt_tokens: int, max_model_len: int):
+        super().__init__(f"the prompt has {prompt_tokens} tokens; the context limit is {max_model_len}")
+        self.prompt_tokens, self.max_model_len = prompt_tokens, max_model_len
+
+
+@dataclass
+class TokenEvent:
+    """What one sequence produced in one step."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None
+    text: str  # newly completed text (may be empty while a character or stop string is pending)
+    finish_reason: str | None  # "stop" | "length" | None while running
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None  # None for checkpoints without a tokenizer (ids only)
+    stops: StopStringMatcher
+    generator: torch.Generator | None
+    request_id: int = 0
+    cache: SequenceCache = field(default_factory=SequenceCache)
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def pending_ids(self) -> list[int]:
+        """Tokens the model has not seen yet: the prompt at first, then the last sampled token."""
+        return self.prompt_ids if self.cache.num_tokens == 0 else self.output_ids[-1:]
+
+
+class Engine:
+    def __init__(self, model: Qwen35ForCausalLM, tokenizer: Tokenizer | None, model_dir: Path, max_model_len: int | None = None):
+        self.model, self.tokenizer, self.model_dir = model, tokenizer, model_dir
+        self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else model.config.eos_token_id)
+        self.max_model_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
+        self.sampler = Sampler()
+        self.generation_config = model_dir / "generation_config.json"
+        self.sequences: list[Sequence] = []
+        self._ids = itertools.count(1)
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, device: str | None = None, dtype: str | None = None, max_model_len: int | None = None) -> "Engine":
+        model_dir = resolve_model(model)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        net, _ = load_model(model_dir, device, torch_dtype)
+        if (model_dir / "tokenizer.json").is_file():
+            tokenizer = Tokenizer.from_dir(model_dir)
+        else:
+            log.warning("%s has no tokenizer.json: token ids in and out only, no text", model_dir)
+            tokenizer = None
+        return cls(net, tokenizer, model_dir, max_model_len)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def default_params(self, **overrides) -> SamplingParams:
+        """Sampling defaults from the checkpoint's generation_config.json, overridden by given values."""
+        source = self.generation_config if self.generation_config.is_file() else {}
+        return SamplingParams.from_generation_config(source, **overrides)
+
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLong(len(prompt_ids), self.max_model_len)
+        bad = [t for t in prompt_ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.model.config.vocab_size - 1})")
+        seq = Sequence(
+            prompt_ids=list(prompt_ids),
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
+            stops=StopStringMatcher(params.stop),
+            generator=make_generator(params.seed, self.device),
+            request_id=next(self._ids),
+        )
+        self.sequences.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop a sequence and its caches at once (client gone)."""
+        if seq in self.sequences:
+            self.sequences.remove(seq)
+        seq.cache = SequenceCache()
+
+    def step(self) -> list[tuple[Sequence, TokenEvent]]:
+        """One forward for all active sequences; finished sequences leave the engine."""
+        active = list(self.sequences)
+        if not active:
+            return []
+        pending = [s.pending_ids for s in active]
+        ids = torch.tensor([t for p in pending for t in p], device=self.device)
+        hidden = self.model(ids, [len(p) for p in pending], [s.cache for s in active])
+        last = torch.tensor(list(itertools.accumulate(len(p) for p in pending)), device=self.device) - 1
+        logits = self.model.logits(hidden[last])
+        tokens, logprobs, top = self.sampler.sample(
+            logits,
+            [s.params for s in active],
+            [s.prompt_ids + s.output_ids for s in active],
+            [len(s.prompt_ids) for s in active],
+            [s.generator for s in active],
+        )
+        events = []
+        for i, seq in enumerate(active):
+            events.append((seq, self._append(seq, int(tokens[i]), float(logprobs[i]), top[i])))
+            if seq.finish_reason:
+                self.sequences.remove(seq)
+        return events
+
+    def _append(self, seq: Sequence, token: int, logprob: float, top) -> TokenEvent:
+        seq.output_ids.append(token)
+        p = seq.params
+        detok = seq.detokenizer
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish_reason = "stop"  # the stop token's own text is not part of the answer
+            chunk = detok.flush() if detok else ""
+        else:
+            chunk = detok.add(token) if detok else ""
+            if (p.max_tokens and len(seq.output_ids) >= p.max_tokens) or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_model_len:
+                seq.finish_reason = "length"
+                chunk += detok.flush() if detok else ""
+        text, stopped = seq.stops.feed(chunk)
+        if stopped:
+            seq.finish_reason = "stop"
+        elif seq.finish_reason:
+            text += seq.stops.flush()
+        return TokenEvent(token, logprob, top, text, seq.finish_reason)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams):
+        """Run one sequence to the end, yielding a TokenEvent per generated token."""
+        seq = self.add(prompt_ids, params)
+        try:
+            while seq.finish_reason is None:
+                for s, event in self.step():
+                    if s is seq:
+                        yield event
+        finally:
+            self.cancel(seq)
