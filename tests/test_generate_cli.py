@@ -25,8 +25,9 @@ def hf_greedy(model, prompt, n):
     return tokens, logprobs
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("variant", ["bf16-nested-fused", "int4-flat"])
-def test_generate_json_matches_transformers_greedy(tmp_path, variant):
+def test_generate_json_matches_transformers_greedy(tmp_path, variant, device):
     cfg = text_config(vocab_size=256)
     hf, mtp = reference_model(cfg, seed=11)
     if variant == "int4-flat":
@@ -35,7 +36,7 @@ def test_generate_json_matches_transformers_greedy(tmp_path, variant):
         reference, _ = write_variant(hf, mtp, tmp_path / "m", nested=True, per_expert=False, cfg=cfg)
     want_tokens, want_logprobs = hf_greedy(reference, PROMPT, 12)
     result = run_cli("generate", str(tmp_path / "m"), "--prompt-ids", ",".join(map(str, PROMPT)),
-                     "--temperature", "0", "--json", "--device", "cpu", "--dtype", "float32", "--max-tokens", "12")
+                     "--temperature", "0", "--json", "--device", device, "--dtype", "float32", "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["token_ids"] == want_tokens
@@ -47,3 +48,14 @@ def test_generate_reports_bad_input_without_traceback(tmp_path):
     result = run_cli("generate", str(tmp_path / "nope"), "--prompt-ids", "1,2")
     assert result.returncode == 2
     assert "nope" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.gpu
+def test_generate_runs_in_bfloat16_on_cuda(tmp_path):
+    cfg = text_config(vocab_size=256)
+    hf, mtp = reference_model(cfg, seed=12)
+    write_variant(hf, mtp, tmp_path / "m", plan=INT4_PLAN, cfg=cfg)
+    result = run_cli("generate", str(tmp_path / "m"), "--prompt-ids", ",".join(map(str, PROMPT)),
+                     "--temperature", "0", "--json", "--device", "cuda", "--dtype", "bfloat16", "--max-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)["token_ids"]) >= 1
