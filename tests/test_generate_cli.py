@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tiny_checkpoints import INT4_PLAN, reference_model, text_config, write_variant
+from tiny_checkpoints import FP8_PLAN, INT4_PLAN, reference_model, text_config, write_variant
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7]
 
@@ -25,15 +25,21 @@ def hf_greedy(model, prompt, n):
     return tokens, logprobs
 
 
+VARIANTS = {  # name: (moe, write_variant options)
+    "bf16-nested-fused": (True, dict(nested=True, per_expert=False)),
+    "int4-flat-extra-mtp": (True, dict(plan=INT4_PLAN, mtp_in_extra_file=True)),
+    "fp8-nested": (True, dict(plan=FP8_PLAN, nested=True)),
+    "dense-bf16-sharded": (False, dict(max_shard_bytes=200_000)),
+}
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("variant", ["bf16-nested-fused", "int4-flat"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_generate_json_matches_transformers_greedy(tmp_path, variant, device):
-    cfg = text_config(vocab_size=256)
+    moe, options = VARIANTS[variant]
+    cfg = text_config(moe=moe)
     hf, mtp = reference_model(cfg, seed=11)
-    if variant == "int4-flat":
-        reference, _ = write_variant(hf, mtp, tmp_path / "m", plan=INT4_PLAN, cfg=cfg)
-    else:
-        reference, _ = write_variant(hf, mtp, tmp_path / "m", nested=True, per_expert=False, cfg=cfg)
+    reference, _ = write_variant(hf, mtp, tmp_path / "m", cfg=cfg, **options)
     want_tokens, want_logprobs = hf_greedy(reference, PROMPT, 12)
     result = run_cli("generate", str(tmp_path / "m"), "--prompt-ids", ",".join(map(str, PROMPT)),
                      "--temperature", "0", "--json", "--device", device, "--dtype", "float32", "--max-tokens", "12")
@@ -52,7 +58,7 @@ def test_generate_reports_bad_input_without_traceback(tmp_path):
 
 @pytest.mark.gpu
 def test_generate_runs_in_bfloat16_on_cuda(tmp_path):
-    cfg = text_config(vocab_size=256)
+    cfg = text_config()
     hf, mtp = reference_model(cfg, seed=12)
     write_variant(hf, mtp, tmp_path / "m", plan=INT4_PLAN, cfg=cfg)
     result = run_cli("generate", str(tmp_path / "m"), "--prompt-ids", ",".join(map(str, PROMPT)),
