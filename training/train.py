@@ -1,0 +1,400 @@
+"""Train the tiny Qwen3.5-MoE (trunk + MTP head jointly) and write it in Hugging Face layout.
+
+    python -m training.train --out DIR [--steps N | --time-budget SECONDS] [--seed 0] ...
+
+Steps, in one process:
+  1. generate and tokenise training conversations (training/tasks.py, train split) with
+     the tokenizer in roofline/models/tiny (training/train_tokenizer.py made it), pack them
+     into rows of --row-len tokens;
+  2. build Qwen3_5MoeForCausalLM from the config in training/model.py plus the MTP head;
+  3. train: loss = CE(main, tok[t+1]) + w1 * CE(MTP draft 1, tok[t+2]) + w2 * CE(MTP draft 2,
+     tok[t+3]) + router load-balancing, all on assistant tokens only; AdamW, bf16 autocast,
+     linear warm-up then cosine decay;
+  4. save bf16 safetensors shards (<= 15 MB each) with an index, config, generation config,
+     tokenizer and chat template into --out;
+  5. reload --out with Qwen3_5MoeForCausalLM.from_pretrained and measure greedy accuracy on
+     held-out arithmetic and recall, tool calls, and the MTP head's agreement with the trunk.
+
+With --time-budget and no --steps, a few timed steps first fix the number of steps so that
+training fits the budget; the model is then rebuilt from the seed and trained for exactly
+that many steps (the log prints it: rerun with --steps N to reproduce the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from training.data import generate_docs, pack  # noqa: E402
+from training.model import build_model, save_checkpoint, tiny_config_dict  # noqa: E402
+
+TINY = REPO / "roofline" / "models" / "tiny"
+
+
+def log(msg, fh=None):
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    if fh is not None:
+        fh.write(line + "\n")
+        fh.flush()
+
+
+def router_hooks(modules):
+    store = []
+
+    def hook(_m, _inp, out):
+        store.append(out[0] if isinstance(out, tuple) else out)
+
+    handles = [m.register_forward_hook(hook) for m in modules]
+    return store, handles
+
+
+def balance_loss(router_logits: list[torch.Tensor], n_experts: int, top_k: int) -> torch.Tensor:
+    """Switch-style load balancing, averaged over layers: E * sum_e f_e * P_e."""
+    total = 0.0
+    for lg in router_logits:
+        probs = torch.softmax(lg.float(), dim=-1)
+        sel = torch.topk(probs, top_k, dim=-1).indices
+        f = F.one_hot(sel, n_experts).float().sum(1).mean(0) / top_k
+        total = total + n_experts * (f * probs.mean(0)).sum()
+    return total / max(1, len(router_logits))
+
+
+def compute_losses(model, mtp, ids, mask, mtp_steps: int):
+    """ids [B, L] int64, mask [B, L] bool (loss on token j when mask[j])."""
+    B, L = ids.shape
+    h = model.model(input_ids=ids).last_hidden_state  # post final norm
+    lm = model.lm_head
+    emb = model.model.embed_tokens
+    out = {}
+    # main: position t predicts tok[t+1]
+    m1 = mask[:, 1:]
+    out["main"] = F.cross_entropy(lm(h[:, :-1][m1]).float(), ids[:, 1:][m1])
+    # MTP draft 1: (embed tok[t+1], h_t) at RoPE t predicts tok[t+2]
+    pos = torch.arange(L, device=ids.device)
+    y1 = mtp(emb(ids[:, 1:]), h[:, :-1], pos[: L - 1])  # [B, L-1, H], index t
+    m2 = mask[:, 2:]
+    out["mtp1"] = F.cross_entropy(lm(y1[:, :-1][m2]).float(), ids[:, 2:][m2])
+    if mtp_steps >= 2:
+        # draft 2: (embed tok[t+2], mtp.norm output at t) at RoPE t+1 predicts tok[t+3]
+        y2 = mtp(emb(ids[:, 2:]), y1[:, :-1], pos[1: L - 1])  # index t, length L-2
+        m3 = mask[:, 3:]
+        out["mtp2"] = F.cross_entropy(lm(y2[:, :-1][m3]).float(), ids[:, 3:][m3])
+    return out
+
+
+def lr_at(step, total, peak, warmup, floor=0.05):
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    p = (step - warmup) / max(1, total - warmup)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
+
+
+def make_optimizer(model, mtp, lr, wd):
+    decay, no_decay = [], []
+    for mod in (model, mtp):
+        for n, p in mod.named_parameters():
+            (decay if p.ndim >= 2 and "embed_tokens" not in n else no_decay).append(p)
+    kw = {"fused": True} if torch.cuda.is_available() else {}
+    return torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, **kw)
+
+
+def train(args, cfg, rows_ids, rows_mask, steps, device, fh, bench=False):
+    model, mtp = build_model(cfg, args.seed)
+    model.to(device).train()
+    mtp.to(device).train()
+    opt = make_optimizer(model, mtp, args.lr, args.wd)
+    gates = [m for m in list(model.modules()) + list(mtp.modules()) if type(m).__name__ == "Qwen3_5MoeTopKRouter"]
+    store, handles = router_hooks(gates)
+    gen = torch.Generator().manual_seed(args.seed + 17)
+    R = rows_ids.shape[0]
+    perm, pi = torch.randperm(R, generator=gen), 0
+    warmup = max(10, int(0.04 * steps))
+    t0 = time.time()
+    times = []
+    acc, last = {}, {}
+    amp = args.amp if args.amp is not None else device.type == "cuda"
+    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bool(amp))
+    for step in range(steps):
+        if pi + args.batch > R:
+            perm, pi = torch.randperm(R, generator=gen), 0
+        idx = perm[pi: pi + args.batch]
+        pi += args.batch
+        ids = rows_ids[idx].to(device, non_blocking=True).long()
+        mask = rows_mask[idx].to(device, non_blocking=True)
+        lr = lr_at(step, steps, args.lr, warmup)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ts = time.time()
+        store.clear()
+        with autocast:
+            losses = compute_losses(model, mtp, ids, mask, args.mtp_steps)
+            aux = balance_loss(store, cfg["num_experts"], cfg["num_experts_per_tok"])
+        loss = losses["main"] + args.w_mtp1 * losses["mtp1"] + args.w_aux * aux
+        if "mtp2" in losses:
+            loss = loss + args.w_mtp2 * losses["mtp2"]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(mtp.parameters()), args.clip)
+        opt.step()
+        for k, v in list(losses.items()) + [("aux", aux)]:
+            acc[k] = acc.get(k, 0.0) + float(v.detach())
+        acc["n"] = acc.get("n", 0) + 1
+        if bench:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.time() - ts)
+            continue
+        if (step + 1) % args.log_every == 0 or step == steps - 1:
+            n = acc.pop("n")
+            msg = " ".join(f"{k} {v / n:.4f}" for k, v in acc.items())
+            log(f"step {step + 1}/{steps} lr {lr:.2e} {msg} gnorm {float(gn):.2f} elapsed {time.time() - t0:.0f}s", fh)
+            last = {k: v / n for k, v in acc.items()}
+            acc = {}
+        if args.hard_limit and time.time() - t0 > args.hard_limit:
+            log(f"hard time limit reached at step {step + 1}; stopping early", fh)
+            break
+    for h in handles:
+        h.remove()
+    if bench:
+        return times
+    return model, mtp, {"steps_done": step + 1, "train_seconds": time.time() - t0, "final_losses": last}
+
+
+# --------------------------------------------------------------------------- eval
+
+
+@torch.no_grad()
+def greedy_generate(model, tok, prompts: list[list[int]], max_new: int, eos_ids: list[int], batch: int = 64):
+    """Greedy continuation of each prompt, batching prompts of equal length (no padding)."""
+    out = [None] * len(prompts)
+    groups = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(len(p), []).append(i)
+    dev = next(model.parameters()).device
+    for _, idxs in sorted(groups.items()):
+        for s in range(0, len(idxs), batch):
+            chunk = idxs[s: s + batch]
+            x = torch.tensor([prompts[i] for i in chunk], device=dev)
+            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                               do_sample=False, eos_token_id=eos_ids, pad_token_id=eos_ids[-1])
+            for j, i in enumerate(chunk):
+                new = y[j, x.shape[1]:].tolist()
+                cut = [k for k, t in enumerate(new) if t in eos_ids]
+                new = new[: cut[0] + 1] if cut else new
+                out[i] = new
+    return out
+
+
+@torch.no_grad()
+def evaluate(model_dir, device, n_arith=200, n_recall=50, n_tool=24, n_mtp=48, seed=1234, fh=None):
+    from tokenizers import Tokenizer
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from training.chat import prompt_text, render
+    from training.data import encode_conversation
+    from training.model import load_mtp
+    from training.tasks import TaskGenerator, answer_is_correct
+
+    model_dir = Path(model_dir)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    gcfg = json.loads((model_dir / "generation_config.json").read_text())
+    eos = gcfg["eos_token_id"]
+    template = (model_dir / "chat_template.jinja").read_text()
+    model = Qwen3_5MoeForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device).eval()
+    gen = TaskGenerator(seed=seed, split="heldout")
+    res = {}
+
+    def run(convs, name, max_new):
+        prompts = [tok.encode(prompt_text(c, template), add_special_tokens=False).ids for c in convs]
+        outs = greedy_generate(model, tok, prompts, max_new, eos)
+        texts = [tok.decode(o, skip_special_tokens=False) for o in outs]
+        ok = [answer_is_correct(c, t) for c, t in zip(convs, texts)]
+        res[name] = {"n": len(convs), "accuracy": sum(ok) / len(ok),
+                     "mean_prompt_tokens": float(np.mean([len(p) for p in prompts]))}
+        bad = [(c["messages"][-2]["content"][-80:], t[-120:]) for c, t, k in zip(convs, texts, ok) if not k][:3]
+        log(f"eval {name}: {sum(ok)}/{len(ok)} = {100 * sum(ok) / len(ok):.1f}% "
+            f"(prompt ~{res[name]['mean_prompt_tokens']:.0f} tokens) failures e.g. {bad}", fh)
+        return texts
+
+    t0 = time.time()
+    arith = [gen.arithmetic(thinking=True) for _ in range(n_arith)]
+    run(arith, "arithmetic_thinking", 160)
+    arith_nt = [gen.arithmetic(thinking=False) for _ in range(max(1, n_arith // 3))]
+    run(arith_nt, "arithmetic_no_thinking", 32)
+    rec = [gen.recall(thinking=True, n_facts=95) for _ in range(n_recall)]
+    run(rec, "recall_1k", 64)
+    rec2 = [gen.recall(thinking=True, n_facts=215) for _ in range(max(1, n_recall // 5))]
+    run(rec2, "recall_2k", 64)
+    # tool calls: the first assistant turn must reproduce the reference call exactly
+    tools = [gen.tool(thinking=bool(i % 2), name=None) for i in range(n_tool)]
+    tools = [c for c in tools if c["task"] == "tool"]
+    calls = []
+    for c in tools:
+        first = dict(c, messages=c["messages"][: [m["role"] for m in c["messages"]].index("assistant") + 1])
+        calls.append(first)
+    prompts = [tok.encode(prompt_text(c, template), add_special_tokens=False).ids for c in calls]
+    outs = greedy_generate(model, tok, prompts, 128, eos)
+    ok = 0
+    for c, o in zip(calls, outs):
+        full = render(c["messages"], c["tools"], False, c["enable_thinking"], template)
+        ref = full[full.rindex("<tool_call>"): full.rindex("</tool_call>") + len("</tool_call>")]
+        ok += ref in tok.decode(o, skip_special_tokens=False)
+    res["tool_call_exact"] = {"n": len(calls), "accuracy": ok / max(1, len(calls))}
+    log(f"eval tool_call_exact: {ok}/{len(calls)}", fh)
+    run(tools, "tool_answer", 96)
+    res["eval_generation_seconds"] = time.time() - t0
+
+    # MTP head vs the trunk, teacher-forced on held-out reference conversations
+    mtp = load_mtp(model_dir, model).eval()
+    a1 = a2 = a2c = n1 = n2 = n2c = 0
+    for i in range(n_mtp):
+        c = gen.sample()
+        ids, mask = encode_conversation(tok, c, template)
+        x = torch.tensor(ids.astype(np.int64), device=device)[None]
+        L = x.shape[1]
+        m = torch.tensor(mask, device=device)
+        h = model.model(input_ids=x).last_hidden_state
+        main_pred = model.lm_head(h).argmax(-1)[0]  # main_pred[t] predicts tok[t+1]
+        pos = torch.arange(L, device=device)
+        y1 = mtp(model.model.embed_tokens(x[:, 1:]), h[:, :-1], pos[: L - 1])
+        d1 = model.lm_head(y1).argmax(-1)[0]  # d1[t] drafts tok[t+2]
+        y2 = mtp(model.model.embed_tokens(d1[None, :-1]), y1[:, :-1], pos[1: L - 1])
+        d2 = model.lm_head(y2).argmax(-1)[0]  # d2[t] drafts tok[t+3]
+        T = L - 3
+        sel = m[2: 2 + T]  # the drafted token t+2 is an assistant token
+        acc1 = (d1[:T] == main_pred[1: 1 + T]) & sel
+        sel2 = sel & m[3: 3 + T]  # both drafted tokens are assistant tokens
+        acc2 = (d2[:T] == main_pred[2: 2 + T]) & acc1 & sel2
+        a1 += int(acc1.sum())
+        n1 += int(sel.sum())
+        a2c += int(acc2.sum())
+        n2c += int((acc1 & sel2).sum())
+        a2 += int(acc2.sum())
+        n2 += int(sel2.sum())
+    res["mtp_acceptance"] = {"position1": a1 / max(1, n1), "position2_given_1": a2c / max(1, n2c),
+                             "position2_cumulative": a2 / max(1, n2), "tokens": n1,
+                             "note": "teacher-forced on held-out reference conversations, greedy draft vs trunk argmax"}
+    log(f"eval MTP acceptance: {res['mtp_acceptance']}", fh)
+    return res
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=0, help="training steps (0: derive from --time-budget)")
+    ap.add_argument("--time-budget", type=float, default=330.0, help="seconds of training when --steps is 0")
+    ap.add_argument("--hard-limit", type=float, default=0.0, help="stop training after this many seconds (0: never)")
+    ap.add_argument("--bench-steps", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--row-len", type=int, default=2560)
+    ap.add_argument("--docs", type=int, default=150000)
+    ap.add_argument("--max-facts", type=int, default=230)
+    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--wd", type=float, default=0.1)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--w-mtp1", type=float, default=0.3)
+    ap.add_argument("--w-mtp2", type=float, default=0.1)
+    ap.add_argument("--w-aux", type=float, default=0.01)
+    ap.add_argument("--mtp-steps", type=int, default=2)
+    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--eval-arith", type=int, default=200)
+    ap.add_argument("--eval-recall", type=int, default=50)
+    ap.add_argument("--eval-tool", type=int, default=24)
+    ap.add_argument("--eval-mtp", type=int, default=48)
+    ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--amp", type=int, default=None, help="bf16 autocast (default: on for CUDA)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fh = open(out / "train_log.txt", "a")
+    t_start = time.time()
+    device = torch.device(args.device)
+    import transformers
+
+    log(f"args {vars(args)}", fh)
+    log(f"torch {torch.__version__} transformers {transformers.__version__} device "
+        f"{torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}", fh)
+
+    from tokenizers import Tokenizer
+
+    tok_path = TINY / "tokenizer.json"
+    tok = Tokenizer.from_file(str(tok_path))
+    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
+    cfg = tiny_config_dict(tok.get_vocab_size(), eos)
+
+    t = time.time()
+    docs = generate_docs(str(tok_path), args.seed, args.docs, "train", args.max_facts, args.row_len, args.workers)
+    ids_np, mask_np = pack(docs, args.row_len, eos[1], args.seed)
+    n_tok, n_loss = ids_np.size, int(mask_np.sum())
+    log(f"data: {len(docs)} conversations -> {ids_np.shape[0]} rows x {args.row_len}; "
+        f"{n_loss} loss tokens ({100 * n_loss / n_tok:.1f}%); {time.time() - t:.1f}s", fh)
+    del docs
+    rows_ids = torch.from_numpy(ids_np)
+    rows_mask = torch.from_numpy(mask_np)
+    if device.type == "cuda":
+        rows_ids, rows_mask = rows_ids.to(device), rows_mask.to(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    steps = args.steps
+    if steps <= 0:
+        times = train(args, cfg, rows_ids, rows_mask, args.bench_steps, device, fh, bench=True)
+        per = float(np.median(times[2:])) if len(times) > 3 else float(np.mean(times))
+        steps = max(20, int(args.time_budget / per))
+        log(f"benchmark: {per * 1000:.0f} ms/step (first steps {[round(x, 2) for x in times[:3]]}) -> {steps} steps "
+            f"for a {args.time_budget:.0f}s budget; reproduce with --steps {steps}", fh)
+    model, mtp, info = train(args, cfg, rows_ids, rows_mask, steps, device, fh)
+    info["steps"] = steps
+    info["tokens_seen"] = info["steps_done"] * args.batch * args.row_len
+    log(f"trained {info['steps_done']} steps in {info['train_seconds']:.0f}s; final losses {info['final_losses']}", fh)
+
+    gen_cfg = {
+        "bos_token_id": None,
+        "eos_token_id": eos,
+        "pad_token_id": eos[1],
+        "do_sample": False,
+        "max_new_tokens": 512,
+        "transformers_version": transformers.__version__,
+    }
+    files = save_checkpoint(model, mtp, cfg, out, generation_config=gen_cfg)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copyfile(TINY / name, out / name)
+    log(f"saved {[f.name for f in files]} ({sum(f.stat().st_size for f in files) / 1e6:.2f} MB)", fh)
+    del model, mtp
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    result = {"train": info, "wall_seconds_before_eval": time.time() - t_start,
+              "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "transformers": transformers.__version__, "args": vars(args)}
+    if not args.no_eval:
+        result["eval"] = evaluate(out, device, args.eval_arith, args.eval_recall, args.eval_tool, args.eval_mtp, fh=fh)
+    result["wall_seconds"] = time.time() - t_start
+    (out / "train_result.json").write_text(json.dumps(result, indent=2) + "\n")
+    log(f"done in {result['wall_seconds']:.0f}s", fh)
+
+
+if __name__ == "__main__":
+    main()
