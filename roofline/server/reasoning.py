@@ -4,59 +4,80 @@ Qwen3.5's template opens `<think>` in the prompt when thinking is on, so output 
 inside reasoning with no opening tag. Reasoning ends at `</think>`, or at a `<tool_call>`
 that starts inside an unclosed `<think>` (a real agent failure: the call must not be
 swallowed as thinking).
+
+Whitespace rules, the same whether the text arrives in one piece or token by token (so a
+streamed answer concatenates to exactly the non-streamed one): reasoning loses its leading
+and trailing whitespace, the answer after `</think>` loses its leading whitespace.
 """
 
 from __future__ import annotations
 
 THINK_OPEN, THINK_CLOSE, TOOL_OPEN = "<think>", "</think>", "<tool_call>"
+_REASONING_ENDS = (THINK_CLOSE, TOOL_OPEN)
 
 
 class ReasoningSplitter:
     def __init__(self, starts_in_reasoning: bool = False):
         self.in_reasoning = starts_in_reasoning
-        self.seen_any = False
+        self.may_open = not starts_in_reasoning  # the output may still begin with `<think>`
+        self.skip_space = starts_in_reasoning  # drop whitespace at the start of this part
         self.buffer = ""
+        self.reasoning_space = ""  # reasoning's trailing whitespace: emitted only if reasoning goes on
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         """New text -> [(kind, chunk)] with kind "reasoning" or "content"; partial tags are held back."""
         self.buffer += text
         out: list[tuple[str, str]] = []
         while self.buffer:
+            if self.skip_space:
+                stripped = self.buffer.lstrip()
+                if not stripped:
+                    self.buffer = ""
+                    break
+                self.buffer, self.skip_space = stripped, False
             if self.in_reasoning:
-                cut = _first(self.buffer, (THINK_CLOSE, TOOL_OPEN))
+                cut = _first(self.buffer, _REASONING_ENDS)
                 if cut is None:
-                    keep = _partial_suffix(self.buffer, (THINK_CLOSE, TOOL_OPEN))
-                    self._emit(out, "reasoning", self.buffer[: len(self.buffer) - keep])
+                    keep = _partial_suffix(self.buffer, _REASONING_ENDS)
+                    self._reasoning(out, self.buffer[: len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep :]
                     break
                 index, tag = cut
-                self._emit(out, "reasoning", self.buffer[:index])
-                self.in_reasoning = False
-                # `</think>` is consumed; a tool call stays in the content for the tool parser
-                self.buffer = self.buffer[index + len(tag) :] if tag == THINK_CLOSE else self.buffer[index:]
-                self.buffer = self.buffer.lstrip("\n") if tag == THINK_CLOSE else self.buffer
-            else:
-                stripped = self.buffer.lstrip() if not self.seen_any else self.buffer
-                if not self.seen_any and THINK_OPEN.startswith(stripped) and stripped != THINK_OPEN:
+                self._reasoning(out, self.buffer[:index])
+                self.in_reasoning, self.reasoning_space = False, ""
+                if tag == THINK_CLOSE:  # consumed; a tool call stays in the content for the tool parser
+                    self.buffer, self.skip_space = self.buffer[index + len(tag) :], True
+                else:
+                    self.buffer = self.buffer[index:]
+            elif self.may_open:
+                stripped = self.buffer.lstrip()
+                if not stripped or (THINK_OPEN.startswith(stripped) and stripped != THINK_OPEN):
                     break  # could still become an opening <think>
-                if not self.seen_any and stripped.startswith(THINK_OPEN):
-                    self.in_reasoning, self.seen_any = True, True
-                    self.buffer = stripped[len(THINK_OPEN) :].lstrip("\n")
-                    continue
-                self._emit(out, "content", self.buffer)
+                self.may_open = False
+                if stripped.startswith(THINK_OPEN):
+                    self.in_reasoning, self.skip_space = True, True
+                    self.buffer = stripped[len(THINK_OPEN) :]
+            else:
+                out.append(("content", self.buffer))
                 self.buffer = ""
         return out
 
     def flush(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
-        self._emit(out, "reasoning" if self.in_reasoning else "content", self.buffer)
-        self.buffer = ""
+        if self.in_reasoning:
+            self._reasoning(out, self.buffer)
+        elif self.buffer and not self.skip_space:
+            out.append(("content", self.buffer))
+        self.buffer, self.reasoning_space = "", ""
         return out
 
-    def _emit(self, out: list, kind: str, chunk: str) -> None:
-        if chunk:
-            self.seen_any = True
-            out.append((kind, chunk))
+    def _reasoning(self, out: list, chunk: str) -> None:
+        body = chunk.rstrip()
+        if body:
+            out.append(("reasoning", self.reasoning_space + body))
+            self.reasoning_space = chunk[len(body) :]
+        else:
+            self.reasoning_space += chunk
 
 
 def _first(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
@@ -70,9 +91,9 @@ def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
 
 
 def split_reasoning(text: str, starts_in_reasoning: bool = False) -> tuple[str | None, str]:
-    """Non-streaming: (reasoning or None, content)."""
+    """Non-streaming: (reasoning or None, content), identical to joining the streamed parts."""
     splitter = ReasoningSplitter(starts_in_reasoning)
     parts = splitter.feed(text) + splitter.flush()
     reasoning = "".join(c for k, c in parts if k == "reasoning")
     content = "".join(c for k, c in parts if k == "content")
-    return (reasoning.strip() or None), content.strip() if reasoning else content
+    return (reasoning or None), content
