@@ -369,12 +369,14 @@ def test_memory_bounded_admission_queues_then_refuses(tmp_path_factory):
     from roofline.server.scheduler import CacheMemory
 
     limit = 512  # long enough that the two long streams outlast the test's steps
-    one = CacheMemory.for_model(load_config(model_dir(tmp_path_factory)), torch.float32).sequence_bytes(limit)
-    srv = ServerProcess([*model_args(tmp_path_factory), "--max-model-len", str(limit), "--kv-cache-memory-bytes", str(int(2.5 * one)),
+    memory = CacheMemory.for_model(load_config(model_dir(tmp_path_factory)), torch.float32)
+    one = memory.sequence_bytes(limit)
+    budget = 2 * one + memory.sequence_bytes(1) // 2  # two whole-context sequences; no room for even a short third
+    srv = ServerProcess([*model_args(tmp_path_factory), "--max-model-len", str(limit), "--kv-cache-memory-bytes", str(budget),
                          "--max-queued-requests", "1", "--served-model-name", "m"])
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        assert srv.metrics()["roofline_cache_budget_bytes"] == int(2.5 * one)
+        assert srv.metrics()["roofline_cache_budget_bytes"] == budget
         long = dict(model="m", messages=USER, stream=True, extra_body={"ignore_eos": True})  # no max_tokens: reserves the whole context
         a = client.chat.completions.create(**long)
         b = client.chat.completions.create(**long)
