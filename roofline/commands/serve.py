@@ -149,7 +149,10 @@ def _available_ram() -> int:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
 
 
 # -- the command --------------------------------------------------------------------------
@@ -199,10 +202,11 @@ def run_serve(args) -> int:
     full = memory.sequence_bytes(engine.max_model_len)
     if full > budget:
         fits = memory.max_tokens_within(budget)
+        raise_flag = "--kv-cache-memory-bytes" if budget_override is not None else "--gpu-memory-utilization"
+        advice = f"use --max-model-len {fits} or less, or raise {raise_flag}" if fits >= 16 else f"raise {raise_flag}"
         raise UserError(
             f"one sequence of --max-model-len {engine.max_model_len} tokens needs {_gib(full)} of KV cache and GDN state, "
-            f"but only {_gib(budget)} is available for it; use --max-model-len {fits} or less"
-            + (", or raise --kv-cache-memory-bytes" if budget_override is not None else ", or raise --gpu-memory-utilization"))
+            f"but {'--kv-cache-memory-bytes gives' if budget_override is not None else 'what is left after the weights is'} {_gib(budget)}; {advice}")
     log.info("KV + state memory: %s budget, %d bytes per token + %d per sequence: %d sequences of full context at once",
              _gib(budget), memory.kv_bytes_per_token, memory.state_bytes_per_sequence, budget // full)
 
