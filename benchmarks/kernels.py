@@ -1,0 +1,435 @@
+"""Kernel-level benchmark of the decode kernels at Qwen3.5-122B-A10B shapes (CUDA only).
+
+    PYTHONPATH=$PWD python benchmarks/kernels.py [--quick] [--no-sweep]
+
+Times each kernel with triton.testing.do_bench_cudagraph (median of graph replays of many
+back-to-back calls, the way a captured decode step runs them). Plain do_bench zeroes a 256 MB
+buffer before every call to flush L2, which leaves ~60 MB of dirty lines that our kernel's reads
+then evict, so it would charge each kernel for write-backs that are not its own; instead every
+case rotates through enough copies of its weights (and, for the experts, random routings) that
+the data of one call is not in L2 from an earlier one.
+
+Per case: time, bytes the kernel must move (each weight/state byte once, inputs and outputs),
+GB/s, the fraction of the device-to-device copy bandwidth measured in the same run (read+write
+bytes of a 2 GiB copy), and where it makes sense PyTorch's baseline on the same shapes (cuBLAS
+BF16 GEMV on the dequantised weight, SDPA, the eager GDN reference). `--sweep` (default on)
+also times a few launch configurations per kernel to choose defaults. Writes JSON to
+$OUT/kernels.json when OUT is set, else benchmarks/results/<date>-kernels.json; a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN = 3072
+L2_BYTES = 60e6
+TARGETS = {"int8_lm_head": 0.85, "experts_gate_up": 0.75, "experts_down": 0.75}
+
+
+def median_us(fn, rep_ms: int = 10) -> float:
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
+
+
+def copies_for(nbytes: float, floor: int = 2, cap: int = 64) -> int:
+    """Enough copies that one pass over all of them is > 3x L2."""
+    return max(floor, min(cap, math.ceil(3 * L2_BYTES / max(nbytes, 1))))
+
+
+class Rotor:
+    """Calls fn(*args[i]) for i = 0, 1, 2, ... cycling through the argument sets."""
+
+    def __init__(self, fn, arg_sets):
+        self.fn, self.arg_sets, self.i = fn, arg_sets, 0
+
+    def __call__(self):
+        args = self.arg_sets[self.i % len(self.arg_sets)]
+        self.i += 1
+        return self.fn(*args)
+
+
+def copy_bandwidth_gbps() -> float:
+    n = 1 << 30  # 1 GiB read + 1 GiB written
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = median_us(lambda: dst.copy_(src), rep_ms=50)
+    del src, dst
+    return 2 * n / (t * 1e-6) / 1e9
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "roofline/kernels", "benchmarks/kernels.py"],
+                               capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+        return (sha or "unknown") + ("+dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+class Bench:
+    def __init__(self, copy_gbps: float, sweep: bool):
+        self.copy = copy_gbps
+        self.sweep = sweep
+        self.rows: list[dict] = []
+        self.sweeps: list[dict] = []
+
+    def record(self, kernel, shape, nbytes, t_us, config=None, baseline=None, baseline_bytes=None, note=""):
+        row = {
+            "kernel": kernel, "shape": shape, "config": config or "default", "time_us": round(t_us, 2),
+            "bytes": int(nbytes), "GBps": round(nbytes / (t_us * 1e-6) / 1e9, 1),
+            "frac_copy": round(nbytes / (t_us * 1e-6) / 1e9 / self.copy, 3),
+        }
+        if kernel in TARGETS:
+            row["target_frac"] = TARGETS[kernel]
+        if baseline is not None:
+            bb = baseline_bytes if baseline_bytes is not None else nbytes
+            row.update(baseline_us=round(baseline, 2), baseline_GBps=round(bb / (baseline * 1e-6) / 1e9, 1))
+        if note:
+            row["note"] = note
+        self.rows.append(row)
+        print(f"  {kernel:18s} {shape:34s} {t_us:8.2f} us {row['GBps']:7.0f} GB/s {row['frac_copy']:5.2f}"
+              + (f"   baseline {baseline:8.2f} us" if baseline is not None else ""), flush=True)
+        return row
+
+    def try_configs(self, kernel, shape, nbytes, make_fn, configs):
+        """Time make_fn(cfg) for each config; record the sweep; return {cfg_name: us}."""
+        out = {}
+        for name, cfg in configs:
+            try:
+                t = median_us(make_fn(cfg))
+            except Exception as exc:  # a config that does not compile or fit is a result too
+                self.sweeps.append({"kernel": kernel, "shape": shape, "config": name, "error": repr(exc)[:300]})
+                print(f"    sweep {kernel} {shape} {name}: ERROR {repr(exc)[:120]}", flush=True)
+                continue
+            gbps = nbytes / (t * 1e-6) / 1e9
+            self.sweeps.append({"kernel": kernel, "shape": shape, "config": name, "time_us": round(t, 2),
+                                "GBps": round(gbps, 1), "frac_copy": round(gbps / self.copy, 3)})
+            print(f"    sweep {kernel:16s} {shape:30s} {name:28s} {t:8.2f} us {gbps:7.0f} GB/s", flush=True)
+            out[name] = t
+        return out
+
+
+def random_int4(n, k, group=128, experts=0):
+    lead = (experts,) if experts else ()
+    qweight = torch.randint(-(2**31), 2**31 - 1, (*lead, k // 8, n), dtype=torch.int32, device="cuda")
+    qzeros = torch.full((*lead, k // group, n // 8), 0x77777777, dtype=torch.int32, device="cuda")
+    scales = (torch.rand(*lead, k // group, n, device="cuda") * 0.02 + 0.001).half()
+    return qweight, qzeros, scales
+
+
+def int4_bytes(n, k, group=128):
+    return k // 8 * n * 4 + k // group * n * 2  # qzeros are not read (symmetric)
+
+
+# ------------------------------------------------------------------------ cases
+
+
+def bench_int4_dense(b: Bench, quick: bool):
+    from roofline.kernels.int4_gemv import int4_matmul
+
+    shapes = {
+        "gdn.in_proj_qkv": (12288, 3072), "gdn.in_proj_z": (8192, 3072), "gdn.out_proj": (3072, 8192),
+        "attn.q_proj": (16384, 3072), "attn.k_proj": (512, 3072), "attn.o_proj": (3072, 8192),
+    }
+    if quick:
+        shapes = {k: shapes[k] for k in ("gdn.in_proj_qkv", "gdn.out_proj")}
+    for name, (n, k) in shapes.items():
+        wbytes = int4_bytes(n, k)
+        sets = [random_int4(n, k) for _ in range(copies_for(wbytes))]
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+        for m in (1, 2, 4) if name in ("gdn.in_proj_qkv", "gdn.out_proj") else (1, 4):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            nbytes = wbytes + m * (k + n) * 2
+            shape = f"{name} {n}x{k} M={m}"
+
+            def make(cfg, x=x, sets=sets):
+                return Rotor(lambda qw, qz, sc: int4_matmul(x, qw, qz, sc, 128, sym=True, config=cfg), sets)
+
+            if b.sweep and name in ("gdn.in_proj_qkv", "gdn.out_proj") and m != 2:
+                cfgs = [("fma BN256 R8 w2", {"mma": False, "BN": 256, "ROWS": 8, "num_warps": 2}),
+                        ("fma BN128 R8 w1", {"mma": False, "BN": 128, "ROWS": 8, "num_warps": 1}),
+                        ("fma BN256 R16 w2", {"mma": False, "BN": 256, "ROWS": 16, "num_warps": 2}),
+                        ("fma BN512 R8 w4", {"mma": False, "BN": 512, "ROWS": 8, "num_warps": 4}),
+                        ("fma BN256 R8 w2 pps4", {"mma": False, "BN": 256, "ROWS": 8, "num_warps": 2, "programs_per_sm": 4}),
+                        ("mma BN128 R16 w8", {"mma": True, "BN": 128, "ROWS": 16, "num_warps": 8}),
+                        ("mma BN64 R16 w4", {"mma": True, "BN": 64, "ROWS": 16, "num_warps": 4}),
+                        ("mma BN128 R16 w4 pps4", {"mma": True, "BN": 128, "ROWS": 16, "num_warps": 4, "programs_per_sm": 4})]
+                if m == 4:
+                    cfgs = [c for c in cfgs if c[0] in ("fma BN256 R8 w2", "fma BN512 R8 w4", "mma BN128 R16 w8", "mma BN64 R16 w4",
+                                                         "mma BN128 R16 w4 pps4")]
+                b.try_configs("int4_gemv", shape, nbytes, make, cfgs)
+            t = median_us(make(None))
+            base = median_us(Rotor(lambda w: F.linear(x, w), [(w,) for w in dense]))
+            b.record("int4_gemv", shape, nbytes, t, baseline=base, baseline_bytes=n * k * 2 + m * (k + n) * 2,
+                     note="baseline: cuBLAS BF16 F.linear on a dequantised weight")
+        del sets, dense
+        torch.cuda.empty_cache()
+
+
+def bench_experts(b: Bench, quick: bool):
+    from roofline.kernels.int4_experts import experts_down, experts_gate_up
+
+    e, h, inter, topk = 256, HIDDEN, 1024, 8
+    gate_up = random_int4(2 * inter, h, experts=e)
+    down = random_int4(h, inter, experts=e)
+    gu_bytes, dn_bytes = int4_bytes(2 * inter, h), int4_bytes(h, inter)
+    for t_tokens in (1, 4) if quick else (1, 2, 4):
+        x = torch.randn(t_tokens, h, device="cuda", dtype=torch.bfloat16)
+        routings = []
+        for _ in range(64):
+            first = torch.randperm(e, device="cuda")[:topk]
+            rows = [first]
+            for _ in range(t_tokens - 1):  # a verify batch of one sequence: the drafts share half the experts
+                rest = torch.randperm(e, device="cuda")
+                rest = rest[~torch.isin(rest, first[: topk // 2])][: topk - topk // 2]
+                rows.append(torch.cat([first[: topk // 2], rest])[torch.randperm(topk, device="cuda")])
+            routings.append(torch.stack(rows))
+        uniq = sum(len(torch.unique(r)) for r in routings) / len(routings)
+        w = torch.softmax(torch.randn(t_tokens, topk, device="cuda"), -1).to(torch.bfloat16)
+        act = torch.randn(t_tokens, topk, inter, device="cuda", dtype=torch.bfloat16)
+        gu_total = uniq * gu_bytes + t_tokens * (h + topk * inter) * 2
+        dn_total = uniq * dn_bytes + t_tokens * (topk * inter + h) * 2
+        shape_gu = f"gate_up E{e} {2 * inter}x{h} top{topk} T={t_tokens} ({uniq:.1f} experts)"
+        shape_dn = f"down E{e} {h}x{inter} top{topk} T={t_tokens}"
+
+        def make_gu(cfg):
+            return Rotor(lambda ids: experts_gate_up(x, ids, *gate_up, 128, sym=True, config=cfg), [(r,) for r in routings])
+
+        def make_dn(cfg):
+            return Rotor(lambda ids: experts_down(act, ids, w, *down, 128, sym=True, config=cfg), [(r,) for r in routings])
+
+        if b.sweep and t_tokens != 2:
+            cfgs = [("fma BN128 R8 w1", {"mma": False, "BN": 128, "ROWS": 8, "num_warps": 1}),
+                    ("fma BN128 R4 w1", {"mma": False, "BN": 128, "ROWS": 4, "num_warps": 1}),
+                    ("fma BN256 R8 w2", {"mma": False, "BN": 256, "ROWS": 8, "num_warps": 2}),
+                    ("fma BN128 R8 w1 pps4", {"mma": False, "BN": 128, "ROWS": 8, "num_warps": 1, "programs_per_sm": 4}),
+                    ("fma BN128 R8 w1 split1", {"mma": False, "BN": 128, "ROWS": 8, "num_warps": 1, "SPLIT_K": 1}),
+                    ("mma BN64 R16 w4", {"mma": True, "BN": 64, "ROWS": 16, "num_warps": 4}),
+                    ("mma BN128 R16 w4", {"mma": True, "BN": 128, "ROWS": 16, "num_warps": 4})]
+            if t_tokens > 1:
+                cfgs = [c for c in cfgs if "R8 w1 pps4" not in c[0] and "split1" not in c[0]]
+                cfgs[0] = ("fma BN128 R4 w1 (dflt)", {"mma": False, "BN": 128, "ROWS": 4, "num_warps": 1})
+            b.try_configs("experts_gate_up", shape_gu, gu_total, make_gu, cfgs)
+            b.try_configs("experts_down", shape_dn, dn_total, make_dn, cfgs)
+        # baseline: the same experts as BF16, pre-gathered, one cuBLAS batched GEMV (bmm)
+        gu16 = torch.randn(topk, 2 * inter, h, device="cuda", dtype=torch.bfloat16)
+        dn16 = torch.randn(topk, h, inter, device="cuda", dtype=torch.bfloat16)
+        xb = torch.randn(topk, t_tokens, h, device="cuda", dtype=torch.bfloat16)
+        ab = torch.randn(topk, t_tokens, inter, device="cuda", dtype=torch.bfloat16)
+        base_gu = median_us(lambda: torch.bmm(xb, gu16.transpose(1, 2)))
+        base_dn = median_us(lambda: torch.bmm(ab, dn16.transpose(1, 2)))
+        note = "baseline: torch.bmm over the 8 experts' BF16 weights, pre-gathered (48 MB / 25 MB, L2-resident in part)"
+        b.record("experts_gate_up", shape_gu, gu_total, median_us(make_gu(None)), baseline=base_gu,
+                 baseline_bytes=gu16.numel() * 2, note=note)
+        b.record("experts_down", shape_dn, dn_total, median_us(make_dn(None)), baseline=base_dn,
+                 baseline_bytes=dn16.numel() * 2, note=note)
+        del gu16, dn16
+    del gate_up, down
+    torch.cuda.empty_cache()
+
+
+def bench_fp8(b: Bench, quick: bool):
+    from roofline.kernels.fp8_gemv import fp8_matmul
+
+    for name, (n, k) in {"shared.gate_up": (2048, HIDDEN), "shared.down": (HIDDEN, 1024)}.items():
+        wbytes = n * k + math.ceil(n / 128) * math.ceil(k / 128) * 4
+        sets = [(torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn),
+                 torch.rand(math.ceil(n / 128), math.ceil(k / 128), device="cuda") * 0.01) for _ in range(copies_for(wbytes))]
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+        for m in (1, 4):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            nbytes = wbytes + m * (n + k) * 2
+            shape = f"{name} {n}x{k} M={m}"
+
+            def make(cfg, x=x, sets=sets):
+                return Rotor(lambda w, s: fp8_matmul(x, w, s, config=cfg), sets)
+
+            if b.sweep:
+                b.try_configs("fp8_gemv", shape, nbytes, make, [
+                    ("BN16 BK128 w4", {"BN": 16, "BK": 128, "num_warps": 4}),
+                    ("BN32 BK128 w4", {"BN": 32, "BK": 128, "num_warps": 4}),
+                    ("BN16 BK128 w4 pps8", {"BN": 16, "BK": 128, "num_warps": 4, "programs_per_sm": 8}),
+                    ("BN8 BK128 w2", {"BN": 8, "BK": 128, "num_warps": 2}),
+                ])
+            t = median_us(make(None))
+            base = median_us(Rotor(lambda w: F.linear(x, w), [(w,) for w in dense]))
+            b.record("fp8_gemv", shape, nbytes, t, baseline=base, baseline_bytes=n * k * 2 + m * (n + k) * 2,
+                     note="baseline: cuBLAS BF16 F.linear")
+        del sets, dense
+
+
+def bench_int8(b: Bench, quick: bool):
+    from roofline.kernels.int8_lm_head import int8_matmul
+
+    v, h = 248320, HIDDEN
+    weight = torch.randint(-127, 128, (v, h), dtype=torch.int8, device="cuda")
+    scale = torch.rand(v, 1, device="cuda") * 0.01
+    dense = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
+    for m in (1, 2, 3, 4):
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        nbytes = v * h + v * 4 + m * (h + v) * 2
+        shape = f"lm_head {v}x{h} M={m}"
+
+        def make(cfg, x=x):
+            return lambda: int8_matmul(x, weight, scale, config=cfg)
+
+        if b.sweep and m in (1, 4):
+            b.try_configs("int8_lm_head", shape, nbytes, make, [
+                ("BV16 BH256 w4", {"BV": 16, "BH": 256, "num_warps": 4}),
+                ("BV32 BH256 w4", {"BV": 32, "BH": 256, "num_warps": 4}),
+                ("BV8 BH512 w4", {"BV": 8, "BH": 512, "num_warps": 4}),
+                ("BV16 BH512 w8", {"BV": 16, "BH": 512, "num_warps": 8}),
+            ])
+        t = median_us(make(None))
+        base = median_us(lambda: F.linear(x, dense))
+        b.record("int8_lm_head", shape, nbytes, t, baseline=base, baseline_bytes=v * h * 2 + m * (h + v) * 2,
+                 note="baseline: cuBLAS BF16 F.linear on the BF16 head (twice the bytes)")
+    del weight, dense
+    torch.cuda.empty_cache()
+
+
+def bench_gdn(b: Bench, quick: bool):
+    from roofline.kernels.gdn_decode import gdn_decode, gdn_decode_reference
+
+    hk, hv, dk, dv, kernel = 16, 64, 128, 128, 4
+    c = 2 * hk * dk + hv * dv
+    for bsz in (1, 4) if not quick else (1,):
+        state_bytes = bsz * hv * dk * dv * 4
+        n_sets = copies_for(2 * state_bytes)
+
+        def one_set():
+            return dict(
+                qkv=torch.randn(bsz, c, device="cuda", dtype=torch.bfloat16),
+                z=torch.randn(bsz, hv * dv, device="cuda", dtype=torch.bfloat16),
+                b=torch.randn(bsz, hv, device="cuda", dtype=torch.bfloat16),
+                a=torch.randn(bsz, hv, device="cuda", dtype=torch.bfloat16),
+                conv_state=torch.randn(bsz, kernel - 1, c, device="cuda", dtype=torch.bfloat16),
+                state=torch.randn(bsz, hv, dk, dv, device="cuda") * 0.1,
+            )
+
+        sets = [one_set() for _ in range(n_sets)]
+        fixed = dict(conv_weight=torch.randn(c, 1, kernel, device="cuda", dtype=torch.bfloat16) * 0.3,
+                     A_log=torch.randn(hv, device="cuda") * 0.3, dt_bias=torch.randn(hv, device="cuda") * 0.3,
+                     norm_weight=torch.ones(dv, device="cuda", dtype=torch.bfloat16))
+        nbytes = 2 * state_bytes + bsz * (2 * (kernel - 1) * c * 2 + c * 2 + 2 * hv * dv * 2 + hv * dv * 2 + 4 * hv)
+        shape = f"GDN B={bsz} {hv}h {dk}x{dv} fp32 state"
+
+        def make(cfg):
+            def call(s):
+                return gdn_decode(s["qkv"], s["z"], s["b"], s["a"], s["conv_state"], fixed["conv_weight"], fixed["A_log"],
+                                  fixed["dt_bias"], fixed["norm_weight"], s["state"], hk, **(cfg or {}))
+            return Rotor(call, [(s,) for s in sets])
+
+        if b.sweep:
+            b.try_configs("gdn_decode", shape, nbytes, make, [
+                ("BV16 w4", {"block_v": 16, "num_warps": 4}), ("BV32 w4", {"block_v": 32, "num_warps": 4}),
+                ("BV8 w2", {"block_v": 8, "num_warps": 2}), ("BV16 w2", {"block_v": 16, "num_warps": 2}),
+            ])
+        t = median_us(make(None))
+        base = median_us(Rotor(lambda s: gdn_decode_reference(
+            s["qkv"], s["z"], s["b"], s["a"], s["conv_state"], fixed["conv_weight"], fixed["A_log"], fixed["dt_bias"],
+            fixed["norm_weight"], s["state"], hk), [(s,) for s in sets]))
+        b.record("gdn_decode", shape, nbytes, t, baseline=base, note="baseline: the eager PyTorch reference (~25 kernels)")
+        del sets
+
+
+def bench_attention(b: Bench, quick: bool):
+    from roofline.kernels.decode_attention import decode_attention
+
+    hq, hkv, d = 32, 2, 256
+    for ctx in (8192, 32768):
+        kv_bytes = 2 * ctx * hkv * d * 2
+        n_sets = copies_for(kv_bytes, floor=2, cap=12)
+        caches = [(torch.randn(1, ctx, hkv, d, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(1, ctx, hkv, d, device="cuda", dtype=torch.bfloat16)) for _ in range(n_sets)]
+        lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+        for m in (1, 4) if not quick else (1,):
+            q = torch.randn(1, m, hq, d, device="cuda", dtype=torch.bfloat16)
+            nbytes = kv_bytes + 2 * q.numel() * 2
+            shape = f"attn ctx={ctx} M={m} {hq}q/{hkv}kv d{d}"
+
+            def make(cfg, q=q):
+                return Rotor(lambda k, v: decode_attention(q, k, v, lens, max_len=ctx, config=cfg), caches)
+
+            if b.sweep and ctx == 32768:
+                b.try_configs("decode_attention", shape, nbytes, make, [
+                    ("BT32 st2 pps1", {"BT": 32, "num_stages": 2}), ("BT64 st2 pps1", {"BT": 64, "num_stages": 2}),
+                    ("BT32 st3 pps1", {"BT": 32, "num_stages": 3}), ("BT32 st2 pps2", {"BT": 32, "num_stages": 2, "programs_per_sm": 2}),
+                    ("BT16 st3 pps2", {"BT": 16, "num_stages": 3, "programs_per_sm": 2}),
+                ])
+            t = median_us(make(None))
+            qt = q.transpose(1, 2)  # [1, Hq, M, D]
+            mask = None
+            if m > 1:
+                mask = torch.arange(ctx, device="cuda")[None, :] <= torch.arange(ctx - m, ctx, device="cuda")[:, None]
+            base = median_us(Rotor(lambda k, v: F.scaled_dot_product_attention(
+                qt, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True), caches))
+            b.record("decode_attention", shape, nbytes, t, baseline=base, note="baseline: torch SDPA with enable_gqa")
+        del caches
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--no-sweep", action="store_true", help="default configurations only")
+    ap.add_argument("--only", default="", help="comma list of: int4,experts,fp8,int8,gdn,attn")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA device")
+    import triton
+
+    torch.manual_seed(0)
+    started = time.time()
+    copy = copy_bandwidth_gbps()
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy:.0f} GB/s (read+write)", flush=True)
+    b = Bench(copy, sweep=not args.no_sweep)
+    cases = {"int8": bench_int8, "experts": bench_experts, "int4": bench_int4_dense, "fp8": bench_fp8,
+             "gdn": bench_gdn, "attn": bench_attention}
+    only = [c for c in args.only.split(",") if c] or list(cases)
+    for name in only:
+        print(f"[{name}]", flush=True)
+        try:
+            cases[name](b, args.quick)
+        except Exception as exc:  # keep the other results if one case breaks
+            import traceback
+
+            traceback.print_exc()
+            b.rows.append({"kernel": name, "error": repr(exc)[:500]})
+        torch.cuda.empty_cache()
+    result = {
+        "benchmark": "kernels", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(), "device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+        "torch": torch.__version__, "triton": triton.__version__, "copy_bandwidth_GBps": round(copy, 1),
+        "timing": "triton.testing.do_bench_cudagraph, median of 10 replays of a graph of back-to-back calls, rotated inputs",
+        "seconds": round(time.time() - started, 1), "results": b.rows, "sweep": b.sweeps,
+    }
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = "kernels.json" if os.environ.get("OUT") else f"{datetime.date.today().isoformat()}-kernels.json"
+    (out_dir / name).write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out_dir / name}  ({result['seconds']} s)")
+    print(f"\n{'kernel':18s} {'shape':52s} {'us':>8s} {'GB/s':>7s} {'frac':>5s} {'target':>6s} {'base us':>8s} {'base GB/s':>9s}")
+    for r in b.rows:
+        if "error" in r:
+            print(f"{r['kernel']:18s} ERROR {r['error'][:100]}")
+            continue
+        print(f"{r['kernel']:18s} {r['shape'][:52]:52s} {r['time_us']:8.2f} {r['GBps']:7.0f} {r['frac_copy']:5.2f} "
+              f"{r.get('target_frac', ''):>6} {r.get('baseline_us', ''):>8} {r.get('baseline_GBps', ''):>9}")
+
+
+if __name__ == "__main__":
+    main()

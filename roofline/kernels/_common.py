@@ -1,0 +1,67 @@
+"""Shared pieces of the Triton kernels: arrival counters for one-launch reductions, small helpers.
+
+Several decode kernels split one reduction over many programs (split-K GEMV, the experts' sum
+over k, flash-decoding's split over the cache, the GDN head norm). Rather than a second launch
+to combine the partial results, each program writes its partial to a workspace, then bumps an
+arrival counter; the program that arrives last combines the partials and resets the counter to
+zero for the next call. One launch, no memset, safe to capture in a CUDA graph.
+
+The counters live in a zero-initialised int32 buffer per (device, user). Two launches that run
+at the same time on different streams must not share counters: pass each its own buffer
+(`new_counters`) where kernels run concurrently.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_COUNTERS: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def new_counters(size: int, device) -> torch.Tensor:
+    """A zeroed int32 counter buffer; the kernels leave it zeroed after each complete launch."""
+    return torch.zeros(size, dtype=torch.int32, device=device)
+
+
+def counters_for(user: str, size: int, device: torch.device) -> torch.Tensor:
+    """The default counter buffer of one kernel (`user`) on `device`, grown as needed."""
+    key = (user, str(device))
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < size:
+        if torch.cuda.is_available() and torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{user}: counter buffer too small during CUDA-graph capture; warm up outside capture first")
+        buf = new_counters(max(size, 4096), device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def triton_dtype(dtype: torch.dtype):
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
+
+
+@triton.jit
+def arrive(counter_ptr, expected):
+    """Count this program's arrival; True in the program that arrives last (it then resets the counter).
+
+    The barrier makes every thread's prior stores part of what the acq_rel atomic publishes; the
+    last program reads the partials with `.cg` loads (L2, never a stale L1 line).
+    """
+    tl.debug_barrier()
+    count = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = count == expected - 1
+    return last
+
+
+@triton.jit
+def reset(counter_ptr):
+    tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")

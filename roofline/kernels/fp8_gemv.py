@@ -1,0 +1,107 @@
+"""Block-FP8 GEMV / small-M GEMM: y[M, N] = x[M, K] @ W^T, W as the official `-FP8` checkpoints store it.
+
+Layout (roofline.quant.fp8, no repack): weight float8_e4m3fn [N, K] row-major, scale_inv
+[ceil(N/bn), ceil(K/bk)] multiplying each (bn, bk) block. K is the contiguous axis, so lanes run
+along K with 16-byte loads (16 values) and each program keeps per-lane partial sums over its
+K range; one cross-lane reduction at the end. A tile never straddles a scale block (BN divides bn,
+BK divides bk), so the block scale folds into x once per tile. K is split over programs when N
+alone gives too few tiles (the shared experts' down projection, N = 3072); the last program of
+a column tile adds the partial sums (see _common.arrive).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, arrive, counters_for, reset
+from .int4_gemv import _sm_count
+
+
+def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
+    """Plain PyTorch of the same math: dequantise to fp32, multiply in fp32, round to x's dtype."""
+    bn, bk = block
+    n, k = weight.shape
+    full = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (x.float() @ (weight.float() * full).t()).to(x.dtype)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, K_PER_SPLIT, S_COLS,
+    SBN: tl.constexpr, SBK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n_offs = pid_n * BN + tl.arange(0, BN)
+    n_mask = n_offs < N
+    m = tl.arange(0, BM)
+    m_mask = m < M
+    kk = tl.arange(0, BK)
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    srow = s_ptr + (pid_n * BN // SBN) * S_COLS
+    acc = tl.zeros([BM, BN, BK], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BK):
+        k = k0 + kk
+        kmask = k < k_end
+        w = tl.load(w_ptr + n_offs[:, None] * K + k[None, :], mask=n_mask[:, None] & kmask[None, :], other=0.0)
+        scale = tl.load(srow + k0 // SBK).to(tl.float32)
+        x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_mask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        acc += (x * scale)[:, None, :] * w.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, axis=2)  # [BM, BN]
+    offs = m[:, None] * N + n_offs[None, :]
+    omask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        tl.store(ws_ptr + pid_k * M * N + offs, y, mask=omask)
+        if arrive(cnt_ptr + pid_n, SPLIT_K):
+            total = tl.zeros([BM, BN], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(ws_ptr + s * M * N + offs, mask=omask, other=0, cache_modifier=".cg")
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=omask)
+            reset(cnt_ptr + pid_n)
+
+
+def default_config(m: int) -> dict:
+    if INTERPRET:
+        return {"BN": 16, "BK": 32, "num_warps": 1}
+    return {"BN": 16, "BK": 128, "num_warps": 4}
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128), *, out=None,
+               config: dict | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T for x [..., K] with 1..4 rows, W block FP8 [N, K] with scale_inv per (bn, bk) block."""
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    if not 1 <= m <= 4:
+        raise ValueError(f"fp8_matmul is a decode kernel for 1..4 rows, got {m}")
+    cfg = default_config(m)
+    cfg.update(config or {})
+    bn_s, bk_s = block
+    bn, bk = min(cfg["BN"], bn_s), min(cfg["BK"], bk_s)
+    if bn_s % bn or bk_s % bk:
+        raise ValueError(f"tile ({bn}, {bk}) must divide the scale block {block}")
+    tiles = triton.cdiv(n, bn)
+    k_steps = triton.cdiv(k, bk)
+    split = cfg.get("SPLIT_K")
+    if not split:
+        target = int(_sm_count(x.device) * cfg.get("programs_per_sm", 4.0))
+        split = max(1, min(k_steps, -(-target // tiles)))
+    k_per_split = triton.cdiv(k_steps, split) * bk
+    split = triton.cdiv(k, k_per_split)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ws = torch.empty(split if split > 1 else 1, m, n, dtype=torch.float32, device=x.device)
+    cnt = counters if counters is not None else counters_for("fp8_gemv", tiles, x.device)
+    _fp8_gemv_kernel[(tiles, split)](
+        x2, weight, scale_inv, out, ws, cnt, m, n, k, k_per_split, scale_inv.shape[-1],
+        SBN=bn_s, SBK=bk_s, BM=max(1, 1 << (m - 1).bit_length()), BN=bn, BK=bk, SPLIT_K=split,
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+    )
+    return out.reshape(*lead, n)

@@ -1,0 +1,280 @@
+"""Grouped INT4 expert kernels for decode: read only the routed experts' weights, each once per token chunk.
+
+Experts are stacked Int4Weight tensors in the published GPTQ layout with a leading expert axis:
+gate_up qweight [E, H/8, 2I] (columns 0..I-1 gate, I..2I-1 up), down qweight [E, I/8, H], with
+their qzeros/scales likewise. Routing comes as `ids` [T, k] (int) and `weights` [T, k].
+
+Work split: tokens are taken in chunks of CH (up to 4 rows per lane on the FMA path, 16 on the
+tensor-core path). Program (column tile, chunk, slot p, K split) looks at the expert of slot p
+(token p // k, choice p % k). If an earlier slot of the chunk routes to the same expert, the
+program does nothing; otherwise it owns that expert for the chunk, gathers every token of the
+chunk routed to it and multiplies them together, so each expert's weights are read once per
+chunk however many of its tokens route to it.
+
+- gate_up: act[t, j, :] = silu(x[t] @ Wg^T) * (x[t] @ Wu^T); the gate and up columns of one
+  tile come from the same program, so SiLU*up is fused (after the split-K sum when K is split).
+- down: out[t] = sum_j w[t, j] * act[t, j] @ Wd_e^T. Each owner writes its routing-weighted rows
+  to a workspace; the last program of a column tile to arrive sums the k choices (and K splits)
+  in a fixed order and writes the output: one launch, deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, arrive, counters_for, next_pow2, reset
+from .int4_gemv import MAGIC, _launch_geometry, int4_group_dot, int4_group_mma, int4_matmul_reference, is_symmetric, rows_per_step
+
+
+def experts_gate_up_reference(x, ids, qweight, qzeros, scales, group_size: int = 128) -> torch.Tensor:
+    """act [T, k, I] = silu(gate) * up per routed (token, expert), in fp32, rounded to x's dtype."""
+    t, topk = ids.shape
+    inter = qweight.shape[-1] // 2
+    act = torch.empty(t, topk, inter, dtype=x.dtype, device=x.device)
+    for ti in range(t):
+        for j in range(topk):
+            e = int(ids[ti, j])
+            y = int4_matmul_reference(x[ti : ti + 1].float(), qweight[e], qzeros[e], scales[e], group_size)[0]
+            act[ti, j] = (F.silu(y[:inter]) * y[inter:]).to(x.dtype)
+    return act
+
+
+def experts_down_reference(act, ids, weights, qweight, qzeros, scales, group_size: int = 128) -> torch.Tensor:
+    """out [T, H] = sum_j weights[t, j] * act[t, j] @ Wd_e^T, in fp32, rounded to act's dtype."""
+    t, topk = ids.shape
+    out = torch.zeros(t, qweight.shape[-1], dtype=torch.float32, device=act.device)
+    for ti in range(t):
+        for j in range(topk):
+            e = int(ids[ti, j])
+            y = int4_matmul_reference(act[ti, j : j + 1].float(), qweight[e], qzeros[e], scales[e], group_size)[0]
+            out[ti] += weights[ti, j].float() * y
+    return out.to(act.dtype)
+
+
+@triton.jit
+def _pick(v, idx, i: tl.constexpr):
+    """Element i of a small 1-D tensor as a scalar."""
+    return tl.sum(tl.where(idx == i, v, 0), axis=0)
+
+
+@triton.jit
+def _owner(ids_ptr, T, chunk, slot, CH: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr):
+    """For slot `slot` of token chunk `chunk`: (is_owner, expert, rows, routed, choice).
+
+    is_owner: the slot exists and no earlier slot of the chunk routes to its expert. rows [CH]:
+    token indices of the chunk; routed [CH]: the token routes to the expert; choice [CH]: which of
+    its k choices does (valid where routed).
+    """
+    rr = tl.arange(0, CH)
+    jj = tl.arange(0, TOPKP)
+    tok = chunk * CH + rr
+    valid = (tok < T)[:, None] & (jj < TOPK)[None, :]
+    ids = tl.load(ids_ptr + tok[:, None] * TOPK + jj[None, :], mask=valid, other=-1).to(tl.int32)
+    my_t = chunk * CH + slot // TOPK
+    exists = (my_t < T) & (slot < CH * TOPK)
+    e = tl.load(ids_ptr + tl.where(exists, my_t * TOPK + slot % TOPK, 0)).to(tl.int32)
+    e = tl.where(exists, e, -2)
+    match = (ids == e) & valid
+    flat = rr[:, None] * TOPK + jj[None, :]
+    earlier = tl.sum(tl.sum(tl.where(match & (flat < slot), 1, 0), axis=1), axis=0)
+    is_owner = exists & (earlier == 0)
+    routed = tl.sum(tl.where(match, 1, 0), axis=1) > 0
+    choice = tl.sum(tl.where(match, jj[None, :], 0), axis=1)
+    return is_owner, e, tok, routed, choice
+
+
+@triton.jit
+def _expert_tile(
+    x_ptr, row_off, routed, qw_e, qz_e, sc_e, n_offs, n_mask, N, kp_start, kp_end, magic,
+    GROUP: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr, SYM: tl.constexpr, USE_MMA: tl.constexpr,
+):
+    """[CH, BN] fp32 partial products of the chunk's routed rows (x rows at `row_off`) with one expert's columns."""
+    rr = tl.arange(0, CH)
+    if USE_MMA:  # CH == 16: the chunk's rows are the matrix rows
+        acc = tl.zeros([CH, BN], dtype=tl.float32)
+        return int4_group_mma(acc, x_ptr, row_off, routed, qw_e, qz_e, sc_e, n_offs, n_mask, N, kp_start, kp_end, magic,
+                              GROUP, BN, ROWS, SYM)
+    else:
+        ok = routed.to(tl.int32)
+        y0, y1, y2, y3 = int4_group_dot(
+            x_ptr, _pick(row_off, rr, 0), _pick(row_off, rr, 1), _pick(row_off, rr, 2), _pick(row_off, rr, 3),
+            _pick(ok, rr, 0) > 0, _pick(ok, rr, 1) > 0, _pick(ok, rr, 2) > 0, _pick(ok, rr, 3) > 0,
+            qw_e, qz_e, sc_e, n_offs, n_mask, N, kp_start, kp_end, magic, GROUP, CH, BN, ROWS, SYM)
+        out = tl.where(rr[:, None] == 0, y0[None, :], 0.0)
+        if CH > 1:
+            out = tl.where(rr[:, None] == 1, y1[None, :], out)
+        if CH > 2:
+            out = tl.where(rr[:, None] == 2, y2[None, :], out)
+            out = tl.where(rr[:, None] == 3, y3[None, :], out)
+        return out
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, ids_ptr, qw_ptr, qz_ptr, sc_ptr, act_ptr, ws_ptr, cnt_ptr,
+    T, K, I, KP_PER_SPLIT, MAGIC,
+    TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
+    ROWS: tl.constexpr, SYM: tl.constexpr, SPLIT_K, USE_MMA: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    SLOTS = CH * TOPK
+    chunk = pid_s // SLOTS
+    slot = pid_s % SLOTS
+    is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
+    if is_owner:
+        n2 = 2 * I
+        e64 = e.to(tl.int64)
+        qw_e = qw_ptr + e64 * (K // 8) * n2
+        qz_e = qz_ptr + e64 * (K // GROUP) * (n2 // 8)
+        sc_e = sc_ptr + e64 * (K // GROUP) * n2
+        n_offs = pid_n * BN + tl.arange(0, BN)
+        n_mask = n_offs < I
+        kp_start = pid_k * KP_PER_SPLIT
+        kp_end = tl.minimum(kp_start + KP_PER_SPLIT, K // 8)
+        gate = _expert_tile(x_ptr, tok * K, routed, qw_e, qz_e, sc_e, n_offs, n_mask, n2, kp_start, kp_end, MAGIC,
+                            GROUP, CH, BN, ROWS, SYM, USE_MMA)
+        up = _expert_tile(x_ptr, tok * K, routed, qw_e, qz_e, sc_e, n_offs + I, n_mask, n2, kp_start, kp_end, MAGIC,
+                          GROUP, CH, BN, ROWS, SYM, USE_MMA)
+        row = tok * TOPK + choice  # [CH] (token, choice) rows of act
+        omask = routed[:, None] & n_mask[None, :]
+        if SPLIT_K == 1:
+            act = gate / (1.0 + tl.exp(-gate)) * up
+            tl.store(act_ptr + row[:, None] * I + n_offs[None, :], act.to(act_ptr.dtype.element_ty), mask=omask)
+        else:
+            # workspace [SPLIT_K, T*TOPK, 2, I]
+            base = ws_ptr + pid_k * (T * TOPK * 2 * I) + row[:, None] * (2 * I) + n_offs[None, :]
+            tl.store(base, gate, mask=omask)
+            tl.store(base + I, up, mask=omask)
+            cnt = cnt_ptr + pid_s * tl.num_programs(0) + pid_n
+            if arrive(cnt, SPLIT_K):
+                g = tl.zeros([CH, BN], dtype=tl.float32)
+                u = tl.zeros([CH, BN], dtype=tl.float32)
+                for s in range(SPLIT_K):
+                    src = ws_ptr + s * (T * TOPK * 2 * I) + row[:, None] * (2 * I) + n_offs[None, :]
+                    g += tl.load(src, mask=omask, other=0, cache_modifier=".cg")
+                    u += tl.load(src + I, mask=omask, other=0, cache_modifier=".cg")
+                act = g / (1.0 + tl.exp(-g)) * u
+                # masks rebuilt here: reusing the outer ones trips a layout pass (operand does not dominate)
+                is_owner2, e2, tok2, routed2, choice2 = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
+                row2 = tok2 * TOPK + choice2
+                omask2 = routed2[:, None] & (n_offs < I)[None, :]
+                tl.store(act_ptr + row2[:, None] * I + n_offs[None, :], act.to(act_ptr.dtype.element_ty), mask=omask2)
+                reset(cnt)
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr,
+    T, I, H, KP_PER_SPLIT, MAGIC,
+    TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
+    ROWS: tl.constexpr, SYM: tl.constexpr, SPLIT_K, USE_MMA: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    SLOTS = CH * TOPK
+    chunk = pid_s // SLOTS
+    slot = pid_s % SLOTS
+    n_offs = pid_n * BN + tl.arange(0, BN)
+    n_mask = n_offs < H
+    is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
+    row = tok * TOPK + choice  # [CH] rows of act / routing weights
+    if is_owner:
+        e64 = e.to(tl.int64)
+        qw_e = qw_ptr + e64 * (I // 8) * H
+        qz_e = qz_ptr + e64 * (I // GROUP) * (H // 8)
+        sc_e = sc_ptr + e64 * (I // GROUP) * H
+        kp_start = pid_k * KP_PER_SPLIT
+        kp_end = tl.minimum(kp_start + KP_PER_SPLIT, I // 8)
+        y = _expert_tile(act_ptr, row * I, routed, qw_e, qz_e, sc_e, n_offs, n_mask, H, kp_start, kp_end, MAGIC,
+                         GROUP, CH, BN, ROWS, SYM, USE_MMA)
+        w = tl.load(wts_ptr + row, mask=routed, other=0).to(tl.float32)
+        # workspace [SPLIT_K, T*TOPK, H]
+        tl.store(ws_ptr + pid_k * (T * TOPK * H) + row[:, None] * H + n_offs[None, :], y * w[:, None],
+                 mask=routed[:, None] & n_mask[None, :])
+    # every program of this (chunk, column tile) arrives; the last sums choices and splits in order
+    cnt = cnt_ptr + chunk * tl.num_programs(0) + pid_n
+    if arrive(cnt, SLOTS * SPLIT_K):
+        rr = tl.arange(0, CH)
+        toks = chunk * CH + rr
+        tmask = (toks < T)[:, None] & n_mask[None, :]
+        total = tl.zeros([CH, BN], dtype=tl.float32)
+        for s in range(SPLIT_K):
+            for j in range(TOPK):
+                total += tl.load(ws_ptr + s * (T * TOPK * H) + (toks * TOPK + j)[:, None] * H + n_offs[None, :],
+                                 mask=tmask, other=0, cache_modifier=".cg")
+        tl.store(out_ptr + toks[:, None] * H + n_offs[None, :], total.to(out_ptr.dtype.element_ty), mask=tmask)
+        reset(cnt)
+
+
+def _config(t: int, n: int, group_size: int, config: dict | None) -> dict:
+    """FMA path (one lane, up to 4 token rows) for up to 4 tokens; the tensor-core path, 16 rows a chunk, beyond."""
+    mma = bool((config or {}).get("mma", t > 4))
+    if INTERPRET:
+        cfg = {"BN": 32, "ROWS": rows_per_step(group_size, 4), "num_warps": 1}
+    elif mma:
+        cfg = {"BN": 64, "ROWS": rows_per_step(group_size, 16), "num_warps": 4}
+    else:  # 8 rows a step at one token; 4 keeps 2-4 token rows in registers (no spills)
+        cfg = {"BN": 128, "ROWS": rows_per_step(group_size, 8 if t == 1 else 4), "num_warps": 1}
+    cfg["mma"] = mma
+    cfg.update(config or {})
+    return cfg
+
+
+def _chunk(t: int, mma: bool) -> int:
+    return 16 if mma else min(4, next_pow2(t))
+
+
+def experts_gate_up(x: torch.Tensor, ids: torch.Tensor, qweight, qzeros, scales, group_size: int = 128, *,
+                    sym: bool | None = None, out=None, config: dict | None = None, counters=None) -> torch.Tensor:
+    """act [T, k, I] = silu(x @ Wg_e^T) * (x @ Wu_e^T) for each token's k routed experts e = ids[t, j]."""
+    t, k = x.shape
+    topk = ids.shape[1]
+    inter = qweight.shape[-1] // 2
+    if sym is None:
+        sym = is_symmetric(qzeros)
+    cfg = _config(t, inter, group_size, config)
+    ch = _chunk(t, cfg["mma"])
+    chunks = triton.cdiv(t, ch)
+    slots = ch * topk
+    tiles, split, kp_per_split = _launch_geometry(inter, k, cfg, x.device, tiles_extra=min(t * topk, slots * chunks))
+    act = torch.empty(t, topk, inter, dtype=x.dtype, device=x.device) if out is None else out
+    ws = torch.empty(split if split > 1 else 1, t * topk, 2, inter, dtype=torch.float32, device=x.device)
+    cnt = counters if counters is not None else counters_for("experts_gate_up", tiles * chunks * slots, x.device)
+    _gate_up_kernel[(tiles, chunks * slots, split)](
+        x.contiguous(), ids.contiguous(), qweight, qzeros, scales, act, ws, cnt, t, k, inter, kp_per_split, MAGIC,
+        TOPK=topk, TOPKP=next_pow2(topk), CH=ch, GROUP=group_size, BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym),
+        SPLIT_K=split, USE_MMA=bool(cfg["mma"]), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+    )
+    return act
+
+
+def experts_down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qweight, qzeros, scales,
+                 group_size: int = 128, *, sym: bool | None = None, out=None, config: dict | None = None,
+                 counters=None) -> torch.Tensor:
+    """out [T, H] = sum_j weights[t, j] * act[t, j] @ Wd_e^T, e = ids[t, j]."""
+    t, topk, inter = act.shape
+    h = qweight.shape[-1]
+    if sym is None:
+        sym = is_symmetric(qzeros)
+    cfg = _config(t, h, group_size, config)
+    ch = _chunk(t, cfg["mma"])
+    chunks = triton.cdiv(t, ch)
+    slots = ch * topk
+    tiles, split, kp_per_split = _launch_geometry(h, inter, cfg, act.device, tiles_extra=min(t * topk, slots * chunks))
+    if out is None:
+        out = torch.empty(t, h, dtype=act.dtype, device=act.device)
+    ws = torch.empty(split, t * topk, h, dtype=torch.float32, device=act.device)
+    cnt = counters if counters is not None else counters_for("experts_down", tiles * chunks, act.device)
+    _down_kernel[(tiles, chunks * slots, split)](
+        act.contiguous(), ids.contiguous(), weights.contiguous(), qweight, qzeros, scales, out, ws, cnt,
+        t, inter, h, kp_per_split, MAGIC,
+        TOPK=topk, TOPKP=next_pow2(topk), CH=ch, GROUP=group_size, BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym),
+        SPLIT_K=split, USE_MMA=bool(cfg["mma"]), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+    )
+    return out

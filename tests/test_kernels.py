@@ -1,0 +1,340 @@
+"""Every decode kernel against its plain-PyTorch reference on fresh random inputs.
+
+Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below before
+Triton is imported) at small sizes in fp16/fp32 (the interpreter computes bf16 wrongly); with
+CUDA the `gpu` tests run them compiled, at Qwen3.5-122B-A10B sizes, in bf16. Outputs start as
+NaN so an element a kernel forgets to write fails the comparison; sizes include ones that are
+not multiples of the block sizes. The references are tied to the model's own layer code by the
+`*_matches_model` tests.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from roofline.kernels import _common  # noqa: E402
+from roofline.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+from roofline.kernels.fp8_gemv import fp8_matmul, fp8_matmul_reference  # noqa: E402
+from roofline.kernels.gdn_decode import gdn_decode, gdn_decode_reference  # noqa: E402
+from roofline.kernels.int4_experts import (  # noqa: E402
+    experts_down,
+    experts_down_reference,
+    experts_gate_up,
+    experts_gate_up_reference,
+)
+from roofline.kernels.int4_gemv import int4_matmul, int4_matmul_reference  # noqa: E402
+from roofline.quant.fp8 import quantize_fp8_block  # noqa: E402
+from roofline.quant.int4 import Int4Weight, pack_cols, quantize_int4  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+cpu = pytest.mark.skipif(not INTERPRET, reason="interpreter tests run where CUDA is absent (or with TRITON_INTERPRET=1)")
+gpu = pytest.mark.gpu
+GPU = "cuda"
+
+
+def rel_err(out, ref):
+    out, ref = out.float(), ref.float()
+    assert not torch.isnan(out).any(), "NaN in the output: an element was not written"
+    return ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def nan_like(t):
+    return torch.full_like(t, float("nan"))
+
+
+def random_int4(n, k, group, sym, device="cpu", experts=0):
+    """Random GPTQ tensors (random bits, scales ~ 1/64, zeros 8 or random) without quantising a real weight."""
+    lead = (experts,) if experts else ()
+    qweight = torch.randint(-(2**31), 2**31 - 1, (*lead, k // 8, n), dtype=torch.int32, device=device)
+    if sym:
+        zeros = torch.full((*lead, k // group, n), 7, dtype=torch.int32, device=device)
+    else:
+        zeros = torch.randint(0, 15, (*lead, k // group, n), dtype=torch.int32, device=device)
+    qzeros = pack_cols(zeros.cpu()).to(device)
+    scales = (torch.rand(*lead, k // group, n, device=device) * 0.03 + 0.001).half()
+    return qweight, qzeros, scales
+
+
+def assert_counters_zero():
+    for (user, _), buf in _common._COUNTERS.items():
+        assert int(buf.abs().sum()) == 0, f"{user}: arrival counters not reset"
+
+
+# ---------------------------------------------------------------- INT4 GEMV
+
+
+def check_int4(m, n, k, group, sym, dtype, device, config=None, tol=1e-2):
+    torch.manual_seed(1000 * m + n + k)
+    qweight, qzeros, scales = random_int4(n, k, group, sym, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    out = nan_like(torch.empty(m, n, dtype=dtype, device=device))
+    y = int4_matmul(x, qweight, qzeros, scales, group, sym=sym, out=out, config=config)
+    ref = int4_matmul_reference(x, qweight, qzeros, scales, group)
+    assert rel_err(y, ref) < tol
+    assert_counters_zero()
+
+
+@cpu
+@pytest.mark.parametrize("m,n,k,group,sym,config", [
+    (1, 40, 256, 128, True, None),                    # N not a multiple of the tile
+    (2, 72, 384, 64, False, {"SPLIT_K": 2}),          # split K, asymmetric zeros
+    (3, 24, 512, 32, False, {"SPLIT_K": 3}),          # 3 rows on the lanes path, uneven split
+    (4, 136, 256, 256, True, {"mma": True}),          # tensor-core path, group larger than a step
+    (3, 48, 384, 128, False, {"mma": True, "SPLIT_K": 2}),
+])
+def test_int4_matmul_interpreter(m, n, k, group, sym, config):
+    check_int4(m, n, k, group, sym, torch.float32 if m % 2 else torch.float16, "cpu", config, tol=2e-3)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(12288, 3072), (3072, 8192), (512, 3072), (3080, 1024)])
+def test_int4_matmul_gpu(m, n, k):
+    check_int4(m, n, k, 128, True, torch.bfloat16, GPU)
+
+
+@gpu
+@pytest.mark.parametrize("mma", [False, True])
+@pytest.mark.parametrize("m", [1, 4])
+def test_int4_matmul_gpu_paths(m, mma):
+    check_int4(m, 8192, 3072, 128, False, torch.bfloat16, GPU, config={"mma": mma})
+
+
+# ---------------------------------------------------------------- grouped INT4 experts
+
+
+def check_experts(t, experts, hidden, inter, topk, group, dtype, device, config=None, tol=1e-2):
+    torch.manual_seed(t * 7 + experts)
+    gate_up = random_int4(2 * inter, hidden, group, False, device, experts)
+    down = random_int4(hidden, inter, group, True, device, experts)
+    x = torch.randn(t, hidden, device=device).to(dtype)
+    ids = torch.stack([torch.randperm(experts, device=device)[:topk] for _ in range(t)])
+    if t >= 3:
+        ids[1] = ids[0].flip(0)  # two tokens with the same experts (an MTP verify batch often shares)
+        others = torch.randperm(experts, device=device)
+        others = others[others != ids[0, 0]][: topk - 1]
+        ids[2] = torch.cat([ids[0, :1], others])  # and a third sharing one of them
+    weights = torch.softmax(torch.randn(t, topk, device=device), -1).to(dtype)
+    act = experts_gate_up(x, ids, *gate_up, group, out=nan_like(torch.empty(t, topk, inter, dtype=dtype, device=device)),
+                          config=config)
+    act_ref = experts_gate_up_reference(x, ids, *gate_up, group)
+    assert rel_err(act, act_ref) < tol
+    out = experts_down(act_ref, ids, weights, *down, group, out=nan_like(torch.empty(t, hidden, dtype=dtype, device=device)),
+                       config=config)
+    assert rel_err(out, experts_down_reference(act_ref, ids, weights, *down, group)) < tol
+    assert_counters_zero()
+
+
+@cpu
+@pytest.mark.parametrize("t,config", [
+    (1, None),
+    (3, {"SPLIT_K": 2}),     # shared experts among tokens, split K
+    (5, None),               # more than 4 tokens: the tensor-core path, 16-token chunks
+    (2, {"mma": True}),
+])
+def test_experts_interpreter(t, config):
+    check_experts(t, 6, 64, 48, 3, 16, torch.float32 if t % 2 else torch.float16, "cpu", config, tol=2e-3)
+
+
+@gpu
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 12])
+def test_experts_gpu(t):
+    check_experts(t, 256, 3072, 1024, 8, 128, torch.bfloat16, GPU)
+
+
+@gpu
+def test_experts_gpu_split_and_mma():
+    check_experts(4, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"mma": True, "SPLIT_K": 3})
+    check_experts(2, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"SPLIT_K": 1})
+
+
+def test_experts_reference_matches_model():
+    """experts_down(experts_gate_up(x)) is the model's Experts.forward on the same INT4 weights."""
+    from roofline.model.layers import Experts
+
+    torch.manual_seed(3)
+    e, h, i, topk, group = 5, 64, 32, 2, 32
+    mod = Experts(e, h, i)
+    mod.gate_up = Int4Weight(2 * i, h, e, group_size=group)
+    mod.down = Int4Weight(h, i, e, group_size=group)
+    for j in range(e):
+        for fmt, rows, cols in ((mod.gate_up, 2 * i, h), (mod.down, h, i)):
+            packed = quantize_int4(torch.randn(rows, cols), group)
+            fmt.qweight[j], fmt.qzeros[j], fmt.scales[j] = packed["qweight"], packed["qzeros"], packed["scales"]
+    x = torch.randn(3, h)
+    ids = torch.stack([torch.randperm(e)[:topk] for _ in range(3)])
+    w = torch.softmax(torch.randn(3, topk), -1)
+    ref = mod(x, ids, w)
+    act = experts_gate_up_reference(x, ids, mod.gate_up.qweight, mod.gate_up.qzeros, mod.gate_up.scales, group)
+    ours = experts_down_reference(act, ids, w, mod.down.qweight, mod.down.qzeros, mod.down.scales, group)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- block FP8
+
+
+def check_fp8(m, n, k, block, dtype, device, config=None, tol=1e-2):
+    torch.manual_seed(m + n + k)
+    q, s = quantize_fp8_block(torch.randn(n, k), block)
+    q, s = q.to(device), s.to(device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    y = fp8_matmul(x, q, s, block, out=nan_like(torch.empty(m, n, dtype=dtype, device=device)), config=config)
+    assert rel_err(y, fp8_matmul_reference(x, q, s, block)) < tol
+    assert_counters_zero()
+
+
+@cpu
+@pytest.mark.parametrize("m,n,k,block,config", [
+    (1, 40, 200, (32, 32), None),
+    (3, 72, 384, (16, 64), {"SPLIT_K": 2}),
+    (4, 50, 130, (32, 32), {"SPLIT_K": 3}),
+    (2, 24, 256, (128, 128), None),
+])
+def test_fp8_matmul_interpreter(m, n, k, block, config):
+    check_fp8(m, n, k, block, torch.float32 if m % 2 else torch.float16, "cpu", config, tol=2e-3)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(2048, 3072), (3072, 1024), (1000, 3000)])
+def test_fp8_matmul_gpu(m, n, k):
+    check_fp8(m, n, k, (128, 128), torch.bfloat16, GPU)
+
+
+# ---------------------------------------------------------------- fused GDN decode step
+
+
+def gdn_inputs(bsz, hk, hv, dk, dv, dtype, device, kernel=4):
+    c = 2 * hk * dk + hv * dv
+    g = torch.Generator().manual_seed(bsz * 100 + hv)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    return dict(
+        z=rnd(bsz, hv * dv).to(dtype), b=rnd(bsz, hv).to(dtype), a=rnd(bsz, hv).to(dtype),
+        conv_state=rnd(bsz, kernel - 1, c).to(dtype), conv_weight=rnd(c, 1, kernel, scale=0.5).to(dtype),
+        A_log=rnd(hv, scale=0.5), dt_bias=rnd(hv, scale=0.5), norm_weight=(1 + rnd(dv, scale=0.1)).to(dtype),
+        state=rnd(bsz, hv, dk, dv, scale=0.3),
+    ), c
+
+
+def check_gdn(bsz, hk, hv, dk, dv, dtype, device, block_v=None, steps=3, tol=1e-2):
+    args, c = gdn_inputs(bsz, hk, hv, dk, dv, dtype, device)
+    ref_args = {k: v.clone() for k, v in args.items()}
+    for step in range(steps):
+        qkv = torch.randn(bsz, c, device=device).to(dtype)
+        out = nan_like(torch.empty(bsz, hv * dv, dtype=dtype, device=device))
+        y = gdn_decode(qkv, num_k_heads=hk, out=out, block_v=block_v, **args)
+        ref = gdn_decode_reference(qkv, num_k_heads=hk, **ref_args)
+        assert rel_err(y, ref) < tol, f"step {step}"
+        assert rel_err(args["state"], ref_args["state"]) < 1e-4
+        torch.testing.assert_close(args["conv_state"], ref_args["conv_state"], rtol=0, atol=0)
+    assert_counters_zero()
+
+
+@cpu
+@pytest.mark.parametrize("bsz,hk,hv,dk,dv,dtype,block_v", [
+    (2, 2, 4, 16, 16, torch.float32, 8),
+    (3, 1, 3, 12, 20, torch.float16, 8),   # 3 value heads per key head, dv not a multiple of the block
+    (1, 2, 2, 32, 24, torch.float32, 16),
+])
+def test_gdn_decode_interpreter(bsz, hk, hv, dk, dv, dtype, block_v):
+    check_gdn(bsz, hk, hv, dk, dv, dtype, "cpu", block_v, tol=2e-3)
+
+
+@gpu
+@pytest.mark.parametrize("bsz", [1, 3])
+@pytest.mark.parametrize("block_v", [16, 32])
+def test_gdn_decode_gpu(bsz, block_v):
+    check_gdn(bsz, 16, 64, 128, 128, torch.bfloat16, GPU, block_v)
+
+
+def test_gdn_reference_matches_model():
+    """gdn_decode_reference is GatedDeltaNet's causal_conv + recurrence + gated_norm for one token."""
+    from roofline.engine.cache import SequenceCache
+    from roofline.model.layers import GatedDeltaNet
+
+    bsz, hk, hv, dk, dv = 2, 2, 4, 8, 8
+    args, c = gdn_inputs(bsz, hk, hv, dk, dv, torch.float32, "cpu")
+    qkv = torch.randn(bsz, c)
+    layer = types.SimpleNamespace(
+        layer_idx=0, kernel=4, conv_size=c, conv1d=types.SimpleNamespace(weight=args["conv_weight"]),
+        key_size=hk * dk, value_size=hv * dv, num_v_heads=hv, num_k_heads=hk, k_dim=dk, v_dim=dv, eps=1e-6,
+        norm=types.SimpleNamespace(weight=args["norm_weight"]),
+    )
+    outs = []
+    for i in range(bsz):
+        cache = SequenceCache()
+        cache.conv[0] = args["conv_state"][i].clone()
+        cache.recurrent[0] = args["state"][i].clone()
+        beta = torch.sigmoid(args["b"][i : i + 1]).float()
+        decay = -args["A_log"].exp() * torch.nn.functional.softplus(args["a"][i : i + 1].float() + args["dt_bias"])
+        mixed = GatedDeltaNet.causal_conv(layer, qkv[i : i + 1], cache)
+        core = GatedDeltaNet.recurrence(layer, mixed, beta, decay, cache)
+        outs.append(GatedDeltaNet.gated_norm(layer, core, args["z"][i : i + 1]))
+        args_state_i = cache.recurrent[0]
+        outs.append(args_state_i)
+    ref_out = gdn_decode_reference(qkv, num_k_heads=hk, **args)
+    torch.testing.assert_close(ref_out, torch.cat(outs[0::2]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(args["state"], torch.stack(outs[1::2]), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- decode attention
+
+
+def check_attention(bsz, m, hq, hkv, d, cap, lengths, dtype, device, config=None, tol=1e-2):
+    torch.manual_seed(bsz + m + cap)
+    q = torch.randn(bsz, m, hq, d, device=device).to(dtype)
+    k = torch.randn(bsz, cap, hkv, d, device=device).to(dtype)
+    v = torch.randn(bsz, cap, hkv, d, device=device).to(dtype)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    y = decode_attention(q, k, v, lens, out=nan_like(q), config=config)
+    assert rel_err(y, decode_attention_reference(q, k, v, lens)) < tol
+    assert_counters_zero()
+
+
+@cpu
+@pytest.mark.parametrize("bsz,m,hq,hkv,d,cap,lengths,config", [
+    (2, 1, 4, 2, 32, 50, [37, 50], None),
+    (3, 3, 8, 2, 24, 70, [3, 40, 70], {"NSPLIT": 3}),   # M=3 causal verify rows, a context shorter than the split
+    (1, 4, 6, 1, 64, 33, [33], {"NSPLIT": 5}),
+    (2, 2, 4, 4, 256, 20, [20, 7], None),               # head dim 256
+])
+def test_decode_attention_interpreter(bsz, m, hq, hkv, d, cap, lengths, config):
+    check_attention(bsz, m, hq, hkv, d, cap, lengths, torch.float32 if m % 2 else torch.float16, "cpu", config, tol=2e-3)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_decode_attention_gpu(m):
+    check_attention(2, m, 32, 2, 256, 8192, [8192, 3001], torch.bfloat16, GPU)
+
+
+@gpu
+def test_decode_attention_gpu_long():
+    check_attention(1, 1, 32, 2, 256, 32768, [32768], torch.bfloat16, GPU)
+
+
+def test_attention_reference_matches_model():
+    """decode_attention_reference is GatedAttention.attend for the last M positions of a sequence."""
+    from roofline.model.layers import GatedAttention
+
+    torch.manual_seed(5)
+    m, hq, hkv, d, length = 3, 4, 2, 16, 11
+    q = torch.randn(1, m, hq, d)
+    k = torch.randn(1, length, hkv, d)
+    v = torch.randn(1, length, hkv, d)
+    layer = types.SimpleNamespace(head_dim=d)
+    positions = torch.arange(length - m, length)
+    ref = GatedAttention.attend(layer, q[0], k[0], v[0], positions)
+    ours = decode_attention_reference(q, k, v, torch.tensor([length]))
+    torch.testing.assert_close(ours[0], ref, rtol=1e-5, atol=1e-5)
