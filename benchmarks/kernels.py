@@ -70,6 +70,8 @@ def copy_bandwidth_gbps() -> float:
 
 
 def git_commit() -> str:
+    if os.environ.get("ROOFLINE_COMMIT"):  # the device copy of the tree may have no .git
+        return os.environ["ROOFLINE_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "roofline/kernels", "benchmarks/kernels.py"],
@@ -397,9 +399,24 @@ def main():
     copy = copy_bandwidth_gbps()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy:.0f} GB/s (read+write)", flush=True)
     b = Bench(copy, sweep=not args.no_sweep)
-    cases = {"int8": bench_int8, "experts": bench_experts, "int4": bench_int4_dense, "fp8": bench_fp8,
-             "gdn": bench_gdn, "attn": bench_attention}
+    cases = {"int8": bench_int8, "experts": bench_experts, "int4": bench_int4_dense, "gdn": bench_gdn,
+             "attn": bench_attention, "fp8": bench_fp8}
     only = [c for c in args.only.split(",") if c] or list(cases)
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / ("kernels.json" if os.environ.get("OUT") else f"{datetime.date.today().isoformat()}-kernels.json")
+
+    def write():  # after every case, so a run cut short keeps what it measured
+        result = {
+            "benchmark": "kernels", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+            "torch": torch.__version__, "triton": triton.__version__, "copy_bandwidth_GBps": round(copy, 1),
+            "timing": "triton.testing.do_bench_cudagraph, median of 10 replays of a graph of back-to-back calls, rotated inputs",
+            "seconds": round(time.time() - started, 1), "results": b.rows, "sweep": b.sweeps,
+        }
+        path.write_text(json.dumps(result, indent=1))
+        return result
+
     for name in only:
         print(f"[{name}]", flush=True)
         try:
@@ -410,18 +427,9 @@ def main():
             traceback.print_exc()
             b.rows.append({"kernel": name, "error": repr(exc)[:500]})
         torch.cuda.empty_cache()
-    result = {
-        "benchmark": "kernels", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(), "device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-        "torch": torch.__version__, "triton": triton.__version__, "copy_bandwidth_GBps": round(copy, 1),
-        "timing": "triton.testing.do_bench_cudagraph, median of 10 replays of a graph of back-to-back calls, rotated inputs",
-        "seconds": round(time.time() - started, 1), "results": b.rows, "sweep": b.sweeps,
-    }
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    name = "kernels.json" if os.environ.get("OUT") else f"{datetime.date.today().isoformat()}-kernels.json"
-    (out_dir / name).write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {out_dir / name}  ({result['seconds']} s)")
+        write()
+    result = write()
+    print(f"\nwrote {path}  ({result['seconds']} s)")
     print(f"\n{'kernel':18s} {'shape':52s} {'us':>8s} {'GB/s':>7s} {'frac':>5s} {'target':>6s} {'base us':>8s} {'base GB/s':>9s}")
     for r in b.rows:
         if "error" in r:
