@@ -1,5 +1,13 @@
-import pytest
-import torch
+import os
+
+# Tiny models decode faster on one thread, and the suite's subprocesses (CLI, server) inherit
+# this: with two cores shared by pytest and a server, OpenMP spin-waiting costs 10-20x.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):

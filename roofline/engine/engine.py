@@ -19,6 +19,7 @@ from ..hub import resolve_model
 from ..model import Qwen35ForCausalLM
 from .cache import SequenceCache
 from .sampling import Sampler, SamplingParams, make_generator
+from .speculative import DraftState, MtpSpeculator, SpeculativeConfig
 from .stops import StopStringMatcher
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -53,6 +54,7 @@ class Sequence:
     cache: SequenceCache = field(default_factory=SequenceCache)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    draft: DraftState | None = None  # MTP head state when speculative decoding is on
 
     @property
     def pending_ids(self) -> list[int]:
@@ -61,17 +63,32 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, model: Qwen35ForCausalLM, tokenizer: Tokenizer | None, model_dir: Path, max_model_len: int | None = None):
+    def __init__(
+        self,
+        model: Qwen35ForCausalLM,
+        tokenizer: Tokenizer | None,
+        model_dir: Path,
+        max_model_len: int | None = None,
+        speculative: SpeculativeConfig | None = None,
+    ):
         self.model, self.tokenizer, self.model_dir = model, tokenizer, model_dir
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else model.config.eos_token_id)
         self.max_model_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.sampler = Sampler()
+        self.speculator = MtpSpeculator(model, self.sampler, speculative) if speculative else None
         self.generation_config = model_dir / "generation_config.json"
         self.sequences: list[Sequence] = []
         self._ids = itertools.count(1)
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, device: str | None = None, dtype: str | None = None, max_model_len: int | None = None) -> "Engine":
+    def from_pretrained(
+        cls,
+        model: str | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        speculative: SpeculativeConfig | None = None,
+    ) -> "Engine":
         model_dir = resolve_model(model)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
@@ -81,7 +98,7 @@ class Engine:
         else:
             log.warning("%s has no tokenizer.json: token ids in and out only, no text", model_dir)
             tokenizer = None
-        return cls(net, tokenizer, model_dir, max_model_len)
+        return cls(net, tokenizer, model_dir, max_model_len, speculative)
 
     @property
     def device(self) -> torch.device:
@@ -108,6 +125,7 @@ class Engine:
             stops=StopStringMatcher(params.stop),
             generator=make_generator(params.seed, self.device),
             request_id=next(self._ids),
+            draft=DraftState() if self.speculator else None,
         )
         self.sequences.append(seq)
         return seq
@@ -117,17 +135,30 @@ class Engine:
         if seq in self.sequences:
             self.sequences.remove(seq)
         seq.cache = SequenceCache()
+        seq.draft = None
 
     def step(self) -> list[tuple[Sequence, TokenEvent]]:
-        """One forward for all active sequences; finished sequences leave the engine."""
+        """One step for all active sequences; finished sequences leave the engine.
+
+        Without speculation: one forward, one token per sequence. With it, sequences past
+        their prompt draft and verify (up to k+1 tokens each); new sequences prefill.
+        """
         active = list(self.sequences)
-        if not active:
-            return []
+        speculating = [s for s in active if self._can_speculate(s)]
+        plain = [s for s in active if s not in speculating]
+        events = self._speculative_step(speculating) if speculating else []
+        return events + (self._plain_step(plain) if plain else [])
+
+    def _can_speculate(self, seq: Sequence) -> bool:
+        room = self.max_model_len - len(seq.prompt_ids) - len(seq.output_ids)
+        return seq.draft is not None and bool(seq.draft.pending_tokens) and room > self.speculator.k
+
+    def _plain_step(self, active: list[Sequence]) -> list[tuple[Sequence, TokenEvent]]:
         pending = [s.pending_ids for s in active]
         ids = torch.tensor([t for p in pending for t in p], device=self.device)
         hidden = self.model(ids, [len(p) for p in pending], [s.cache for s in active])
-        last = torch.tensor(list(itertools.accumulate(len(p) for p in pending)), device=self.device) - 1
-        logits = self.model.logits(hidden[last])
+        ends = list(itertools.accumulate(len(p) for p in pending))
+        logits = self.model.logits(hidden[torch.tensor(ends, device=self.device) - 1])
         tokens, logprobs, top = self.sampler.sample(
             logits,
             [s.params for s in active],
@@ -137,8 +168,32 @@ class Engine:
         )
         events = []
         for i, seq in enumerate(active):
+            if seq.draft is not None:  # the MTP head will see these positions before its next draft
+                self.speculator.extend(seq.draft, hidden[ends[i] - len(pending[i]) : ends[i]], pending[i], int(tokens[i]))
             events.append((seq, self._append(seq, int(tokens[i]), float(logprobs[i]), top[i])))
-            if seq.finish_reason:
+        return self._retire(events)
+
+    def _speculative_step(self, active: list[Sequence]) -> list[tuple[Sequence, TokenEvent]]:
+        params = [s.params for s in active]
+        histories = [s.prompt_ids + s.output_ids for s in active]
+        prompt_lens = [len(s.prompt_ids) for s in active]
+        generators = [s.generator for s in active]
+        drafts, qs = self.speculator.draft([s.draft for s in active], params, histories, prompt_lens, generators)
+        verified = self.speculator.verify(
+            [s.cache for s in active], [s.output_ids[-1] for s in active], drafts, qs,
+            [s.draft for s in active], params, histories, prompt_lens, generators,
+        )
+        events = []
+        for seq, result in zip(active, verified):
+            for token, logprob, top in zip(result.tokens, result.logprobs, result.top):
+                events.append((seq, self._append(seq, token, logprob, top)))
+                if seq.finish_reason:
+                    break  # tokens after a stop are dropped; the sequence leaves with its caches
+        return self._retire(events)
+
+    def _retire(self, events):
+        for seq, event in events:
+            if event.finish_reason and seq in self.sequences:
                 self.sequences.remove(seq)
         return events
 

@@ -145,7 +145,7 @@ class Sampler:
 
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
         logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
-        return SampleResult(token_ids, logprobs, _top_logprobs(raw_logprobs, params_list))
+        return SampleResult(token_ids, logprobs, top_logprobs(raw_logprobs, params_list))
 
 
 def _apply_penalties(logits, params_list, token_histories, prompt_lens) -> torch.Tensor:
@@ -213,7 +213,7 @@ def _apply_top_k_top_p(scores, top_k, top_p) -> torch.Tensor:
     return torch.empty_like(scores).scatter_(1, order, sorted_scores)
 
 
-def _top_logprobs(raw_logprobs, params_list) -> list[list[tuple[int, float]] | None]:
+def top_logprobs(raw_logprobs, params_list) -> list[list[tuple[int, float]] | None]:
     wanted = [p.logprobs for p in params_list]
     k_max = min(max((k for k in wanted if k), default=0), raw_logprobs.shape[-1])
     if k_max == 0:

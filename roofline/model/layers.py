@@ -155,6 +155,8 @@ class GatedDeltaNet(nn.Module):
             past = qkv.new_zeros(self.kernel - 1, self.conv_size)
         window = torch.cat([past, qkv])
         cache.conv[self.layer_idx] = window[-(self.kernel - 1) :].clone()
+        if cache.record_steps:
+            cache.step_conv[self.layer_idx] = window
         weight = self.conv1d.weight
         out = F.conv1d(window.t().unsqueeze(0).to(weight.dtype), weight, groups=self.conv_size)
         return F.silu(out[0].t()).to(qkv.dtype)
@@ -172,12 +174,16 @@ class GatedDeltaNet(nn.Module):
             state = mixed.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
         out = torch.empty(t, self.num_v_heads, self.v_dim, dtype=torch.float32, device=mixed.device)
         gate = decay.exp()
+        history = []
         for i in range(t):
             state = state * gate[i][:, None, None]
             delta = (v[i] - torch.einsum("hkv,hk->hv", state, k[i])) * beta[i][:, None]
             state = state + k[i][:, :, None] * delta[:, None, :]
             out[i] = torch.einsum("hkv,hk->hv", state, q[i])
+            history.append(state)
         cache.recurrent[self.layer_idx] = state
+        if cache.record_steps:
+            cache.step_recurrent[self.layer_idx] = history
         return out
 
     def gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,8 @@ class Qwen35ForCausalLM(nn.Module):
     @staticmethod
     def step_batch(seq_lens: list[int], caches: list[SequenceCache], device) -> StepBatch:
         """Positions continue each sequence's cache; caches advance by the new tokens."""
+        for cache in caches:
+            cache.begin_step()
         positions = torch.cat(
             [torch.arange(c.num_tokens, c.num_tokens + n, device=device) for n, c in zip(seq_lens, caches)]
         )

@@ -1,0 +1,168 @@
+"""MTP speculative decoding: the model's own multi-token-prediction head drafts k tokens, the
+main model verifies them in one step, and only tokens the main model would have produced
+are kept.
+
+Per sequence, between steps, the head keeps "pending pairs": the main model's post-norm
+hidden states of the newest positions and the tokens that follow them. A step:
+
+1. Draft: the head runs on the pending pairs (its cache now holds only true history) and
+   drafts d1 from the last one; for d2..dk it is fed its own post-norm output and draft.
+2. Verify: the main model runs [last token, d1..dk] in one forward, remembering its GDN
+   state after each position.
+3. Accept: greedy keeps the longest prefix of drafts equal to the main model's argmax;
+   sampling accepts d_j with probability min(1, p/q) and otherwise resamples from the
+   normalised positive part of p - q, which leaves the output distribution exactly p
+   (Leviathan et al., Chen et al. 2023). One more token (the bonus) always comes from p.
+4. Roll back both caches to the accepted tokens; the verified hidden states become the
+   head's next pending pairs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import UserError
+from .cache import SequenceCache
+from .sampling import Sampler, top_logprobs
+
+MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
+TYPOGRAPHIC_QUOTES = {"\u201c": '"', "\u201d": '"', "\u2018": "'", "\u2019": "'"}
+
+
+@dataclass
+class SpeculativeConfig:
+    num_speculative_tokens: int = 2
+
+    @classmethod
+    def parse(cls, value: str, flag: str = "--speculative-config") -> "SpeculativeConfig":
+        """Parse vLLM's JSON flag; typographic quotes get an error that shows the corrected text."""
+        if any(q in value for q in TYPOGRAPHIC_QUOTES):
+            fixed = value.translate(str.maketrans(TYPOGRAPHIC_QUOTES))
+            raise UserError(f"{flag} contains typographic quotes (“ ” ‘ ’), which JSON does not accept; use straight quotes: {flag} '{fixed}'")
+        try:
+            raw = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{flag} is not valid JSON ({exc.msg} at character {exc.pos}): {value}") from exc
+        if not isinstance(raw, dict):
+            raise UserError(f"{flag} must be a JSON object such as '{{\"method\":\"mtp\",\"num_speculative_tokens\":2}}'")
+        if raw.get("method", "mtp") not in MTP_METHODS:
+            raise UserError(f"{flag}: method {raw.get('method')!r} is not supported; use \"mtp\"")
+        k = raw.get("num_speculative_tokens", 2)
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 4:
+            raise UserError(f"{flag}: num_speculative_tokens must be an integer from 1 to 4, got {k!r}")
+        return cls(k)
+
+
+@dataclass
+class DraftState:
+    """The MTP head's per-sequence state between steps."""
+
+    cache: SequenceCache = field(default_factory=SequenceCache)
+    pending_hidden: torch.Tensor | None = None  # [n, H] main-model hidden states not yet shown to the head
+    pending_tokens: list[int] = field(default_factory=list)  # the token following each of them
+
+
+@dataclass
+class Verified:
+    tokens: list[int]  # accepted drafts, then the bonus token
+    logprobs: list[float]  # raw log-probabilities under the main model
+    top: list  # top logprobs per token (None where not asked)
+    drafted: int  # drafts proposed
+    accepted: int  # drafts accepted
+
+
+class MtpSpeculator:
+    def __init__(self, model, sampler: Sampler, config: SpeculativeConfig):
+        if model.mtp is None:
+            raise UserError("speculative decoding needs the checkpoint's MTP head (mtp.* tensors), and this checkpoint has none")
+        self.model, self.sampler, self.k = model, sampler, config.num_speculative_tokens
+        # acceptance statistics by draft position, for /metrics and benchmarks
+        self.drafted = [0] * self.k
+        self.accepted = [0] * self.k
+
+    def extend(self, state: DraftState, hidden: torch.Tensor, input_ids: list[int], next_token: int) -> None:
+        """After a plain forward over `input_ids`: pair each position's hidden state with the token after it."""
+        tokens = input_ids[1:] + [next_token]
+        if state.pending_hidden is None or not state.pending_tokens:
+            state.pending_hidden, state.pending_tokens = hidden, tokens
+        else:
+            state.pending_hidden = torch.cat([state.pending_hidden, hidden])
+            state.pending_tokens = state.pending_tokens + tokens
+
+    def draft(self, states: list[DraftState], params, histories, prompt_lens, generators):
+        """k draft tokens and their draft distributions q per sequence."""
+        model = self.model
+        hidden = model.mtp_forward(
+            torch.tensor([t for s in states for t in s.pending_tokens], device=model.device),
+            torch.cat([s.pending_hidden for s in states]),
+            [len(s.pending_tokens) for s in states],
+            [s.cache for s in states],
+        )
+        true_lengths = [s.cache.num_tokens for s in states]
+        ends = torch.tensor([len(s.pending_tokens) for s in states], device=model.device).cumsum(0) - 1
+        hidden = hidden[ends]
+        drafts: list[list[int]] = [[] for _ in states]
+        qs: list[list[torch.Tensor]] = [[] for _ in states]
+        for j in range(self.k):
+            if j:
+                tokens = torch.tensor([d[-1] for d in drafts], device=model.device)
+                hidden = model.mtp_forward(tokens, hidden, [1] * len(states), [s.cache for s in states])
+            q = self.sampler.probabilities(model.logits(hidden), params, [h + d for h, d in zip(histories, drafts)], prompt_lens)
+            for i, p in enumerate(params):
+                token = int(q[i].argmax()) if p.greedy else int(torch.multinomial(q[i], 1, generator=generators[i]))
+                drafts[i].append(token)
+                qs[i].append(q[i])
+        for state, length in zip(states, true_lengths):
+            state.cache.truncate(length)  # drafts beyond the first are not true history
+        return drafts, qs
+
+    def verify(self, caches, last_tokens, drafts, qs, states, params, histories, prompt_lens, generators) -> list[Verified]:
+        model = self.model
+        inputs = [[t, *d] for t, d in zip(last_tokens, drafts)]
+        for cache in caches:
+            cache.record_steps = True  # GDN state after every position, for the rollback below
+        hidden = model(torch.tensor([t for x in inputs for t in x], device=model.device), [len(x) for x in inputs], caches)
+        logits = model.logits(hidden)
+        raw = torch.log_softmax(logits, dim=-1)
+        results = []
+        for i, (p_params, draft) in enumerate(zip(params, drafts)):
+            rows = slice(i * (self.k + 1), (i + 1) * (self.k + 1))
+            row_histories = [histories[i] + draft[:j] for j in range(self.k + 1)]
+            p = self.sampler.probabilities(logits[rows], [p_params] * (self.k + 1), row_histories, [prompt_lens[i]] * (self.k + 1))
+            tokens = self._accept(p, qs[i], draft, p_params, generators[i])
+            accepted = len(tokens) - 1
+            for j in range(self.k):
+                self.drafted[j] += 1
+                self.accepted[j] += int(j < accepted)
+            positions = [i * (self.k + 1) + j for j in range(len(tokens))]
+            top = top_logprobs(raw[positions], [p_params] * len(tokens))
+            results.append(Verified(tokens, [float(raw[r, t]) for r, t in zip(positions, tokens)], top, self.k, accepted))
+            # caches keep the last token and the accepted drafts; the bonus token is pending
+            caches[i].truncate(caches[i].step_start + 1 + accepted)
+            caches[i].stop_recording()
+            states[i].pending_hidden = hidden[positions]
+            states[i].pending_tokens = list(tokens)
+        return results
+
+    def _accept(self, p: torch.Tensor, q: list[torch.Tensor], draft: list[int], params, generator) -> list[int]:
+        tokens = []
+        for j, d in enumerate(draft):
+            if params.greedy:
+                ok = int(p[j].argmax()) == d
+            else:
+                ok = float(torch.rand((), generator=generator, device=p.device)) * float(q[j][d]) <= float(p[j][d])
+            if not ok:
+                if params.greedy:
+                    return tokens + [int(p[j].argmax())]
+                residual = (p[j] - q[j]).clamp_min(0)
+                residual = residual if float(residual.sum()) > 0 else p[j]
+                return tokens + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
+            tokens.append(d)
+        bonus = p[len(draft)]
+        return tokens + [int(bonus.argmax()) if params.greedy else int(torch.multinomial(bonus, 1, generator=generator))]
+
+    def acceptance_rates(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]

@@ -1,0 +1,110 @@
+"""MTP speculative decoding: identical greedy output, exact sampling distribution, exact rollback."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from roofline.checkpoint import load_model
+from roofline.engine.cache import SequenceCache
+from roofline.engine.engine import Engine
+from roofline.engine.sampling import SamplingParams
+from roofline.engine.speculative import SpeculativeConfig
+from roofline.errors import UserError
+from tiny_checkpoints import reference_model, text_config, write_variant
+
+PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [9, 8, 7], [100, 3, 4, 200, 201, 9, 9, 12, 40]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = text_config(eos_token_id=255)  # random weights: make an early stop rare
+    hf, mtp = reference_model(cfg, seed=31)
+    path = tmp_path_factory.mktemp("spec") / "m"
+    write_variant(hf, mtp, path, cfg=cfg)
+    return path
+
+
+def engine_for(path, k=None):
+    model, _ = load_model(path, "cpu", torch.float32)
+    return Engine(model, None, path, speculative=SpeculativeConfig(k) if k else None)
+
+
+def run_all(engine, prompts, params):
+    seqs = [engine.add(p, params) for p in prompts]
+    steps = 0
+    while engine.sequences:
+        engine.step()
+        steps += 1
+    return [s.output_ids for s in seqs], steps
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_output_identical_with_speculation(checkpoint, k):
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    want, plain_steps = run_all(engine_for(checkpoint), PROMPTS, params)
+    engine = engine_for(checkpoint, k)
+    got, spec_steps = run_all(engine, PROMPTS, params)  # batched: sequences accept different counts
+    assert got == want
+    single = [run_all(engine_for(checkpoint, k), [p], params)[0][0] for p in PROMPTS[:1]]
+    assert single == want[:1]
+    assert sum(engine.speculator.drafted) > 0
+
+
+def test_logprobs_equal_with_speculation(checkpoint):
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    plain = list(engine_for(checkpoint).generate(PROMPTS[0], params))
+    spec = list(engine_for(checkpoint, 2).generate(PROMPTS[0], params))
+    assert [e.token_id for e in spec] == [e.token_id for e in plain]
+    assert [e.logprob for e in spec] == pytest.approx([e.logprob for e in plain], abs=1e-4)
+
+
+def test_rollback_leaves_the_caches_of_never_seeing_rejected_tokens(checkpoint):
+    model, _ = load_model(checkpoint, "cpu", torch.float32)
+    prefix, extra = torch.tensor(PROMPTS[2][:5]), torch.tensor(PROMPTS[2][5:])
+    clean = SequenceCache()
+    model(prefix, [len(prefix)], [clean])
+    model(extra[:2], [2], [clean])  # the two tokens that were "accepted"
+
+    spec = SequenceCache()
+    model(prefix, [len(prefix)], [spec])
+    spec.record_steps = True
+    model(extra, [len(extra)], [spec])  # verify 4 tokens, keep 2
+    spec.truncate(len(prefix) + 2)
+    spec.stop_recording()
+    assert spec.num_tokens == clean.num_tokens
+    for name in ("keys", "values", "conv", "recurrent"):
+        a, b = getattr(spec, name), getattr(clean, name)
+        assert a.keys() == b.keys()
+        for layer in a:
+            assert torch.allclose(a[layer], b[layer], atol=1e-6), (name, layer)
+    # and decoding on from both gives the same logits
+    nxt = torch.tensor([11])
+    assert torch.allclose(model.logits(model(nxt, [1], [spec])), model.logits(model(nxt, [1], [clean])), atol=1e-5)
+
+
+def test_sampling_distribution_is_preserved(checkpoint):
+    """First two sampled tokens' joint distribution: speculative vs plain sampling (chi-square)."""
+    params = dict(temperature=1.0, top_k=3, max_tokens=2)
+    n = 400
+    counts = []
+    for k in (None, 2):
+        engine = engine_for(checkpoint, k)
+        c = Counter()
+        for seed in range(n):
+            c[tuple(run_all(engine, [PROMPTS[1]], SamplingParams(seed=seed, **params))[0][0])] += 1
+        counts.append(c)
+    plain, spec = counts
+    keys = [key for key in plain if plain[key] >= 10]
+    chi2 = sum((spec[key] - plain[key]) ** 2 / (spec[key] + plain[key]) for key in keys)
+    assert len(keys) >= 3
+    # two-sample chi-square with len(keys)-1 degrees of freedom; p < 0.001 bound
+    assert chi2 < 10 + 4 * len(keys), (chi2, plain, spec)
+
+
+def test_speculative_config_errors():
+    with pytest.raises(UserError, match="straight quotes"):
+        SpeculativeConfig.parse("{\u201cmethod\u201d:\u201cmtp\u201d,\u201cnum_speculative_tokens\u201d:2}")
+    with pytest.raises(UserError, match="1 to 4"):
+        SpeculativeConfig.parse('{"method":"mtp","num_speculative_tokens":9}')
+    assert SpeculativeConfig.parse('{"method":"mtp","num_speculative_tokens":3}').num_speculative_tokens == 3
