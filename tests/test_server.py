@@ -78,7 +78,7 @@ def test_startup_health_models_and_speculative_notice(server, client):
     assert server.get("/health")[0] == 200
     names = [m.id for m in client.models.list().data]
     assert names == ["tiny", "roofline-tiny"]
-    assert "MTP speculative decoding is not implemented" in server.log
+    assert "MTP speculative decoding: 2 draft token(s) per step" in server.log
     assert "ready at http://127.0.0.1:" in server.log
 
 
@@ -358,7 +358,10 @@ def test_metrics_names(server):
     for name in ("roofline_http_requests_total", "roofline_prompt_tokens_total", "roofline_generation_tokens_total",
                  "roofline_time_to_first_token_seconds_bucket", "roofline_inter_token_latency_seconds_bucket",
                  "roofline_num_requests_running", "roofline_num_requests_waiting", "roofline_kv_cache_bytes",
-                 "roofline_gdn_state_bytes", "roofline_cache_budget_bytes"):
+                 "roofline_gdn_state_bytes", "roofline_cache_budget_bytes",
+                 # the server runs with MTP-2 speculation
+                 'roofline_spec_decode_acceptance_rate{model_name="tiny",position="2"}',
+                 "roofline_spec_decode_mean_accepted_length"):
         assert name in text, name
 
 

@@ -1,6 +1,7 @@
 """The server's parsers and bookkeeping on crafted text (random weights never write these):
 reasoning split, Qwen3 XML tool calls, flag parsing, request validation, memory accounting, metrics."""
 
+import argparse
 import asyncio
 import json
 import random
@@ -8,7 +9,8 @@ import random
 import pytest
 import torch
 
-from roofline.commands.serve import parse_bytes, parse_speculative_config
+from roofline.commands.flags import parse_speculative_config
+from roofline.commands.serve import parse_bytes
 from roofline.errors import UserError
 from roofline.server.app import ChatPrep, ChatText
 from roofline.server.metrics import Metrics
@@ -180,17 +182,20 @@ def test_chat_pipeline_tool_call_inside_unclosed_think():
 # -- flags -----------------------------------------------------------------------------------
 
 def test_speculative_config_curly_quotes_error_shows_the_fix():
+    def parse(value):
+        return parse_speculative_config(argparse.Namespace(mtp=None, speculative_config=value))
+
     with pytest.raises(UserError) as exc:
-        parse_speculative_config("{\u201cmethod\u201d:\u201cmtp\u201d,\u201cnum_speculative_tokens\u201d:2}")
+        parse("{\u201cmethod\u201d:\u201cmtp\u201d,\u201cnum_speculative_tokens\u201d:2}")
     message = str(exc.value)
     assert "typographic quotes" in message
     assert "--speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'" in message
-    assert parse_speculative_config('{"method":"mtp","num_speculative_tokens":2}') == {"method": "mtp", "num_speculative_tokens": 2}
-    assert parse_speculative_config('{"method":"qwen3_next_mtp"}')["num_speculative_tokens"] == 1
+    assert parse('{"method":"mtp","num_speculative_tokens":2}').num_speculative_tokens == 2
+    assert parse('{"method":"qwen3_next_mtp"}').num_speculative_tokens == 1
     for bad, words in [('{"method":"mtp",', "not valid JSON"), ('{"method":"eagle3"}', "not supported"),
-                       ('{"method":"mtp","num_speculative_tokens":0}', "1 to 8"), ("[1]", "JSON object")]:
+                       ('{"method":"mtp","num_speculative_tokens":0}', "1 to 4"), ("[1]", "JSON object")]:
         with pytest.raises(UserError, match=words):
-            parse_speculative_config(bad)
+            parse(bad)
 
 
 def test_parse_bytes():

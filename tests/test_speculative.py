@@ -1,11 +1,13 @@
 """MTP speculative decoding: identical greedy output, exact sampling distribution, exact rollback."""
 
+import argparse
 from collections import Counter
 
 import pytest
 import torch
 
 from roofline.checkpoint import load_model
+from roofline.commands.flags import parse_speculative_config
 from roofline.engine.cache import SequenceCache
 from roofline.engine.engine import Engine
 from roofline.engine.sampling import SamplingParams
@@ -102,9 +104,16 @@ def test_sampling_distribution_is_preserved(checkpoint):
     assert chi2 < 10 + 4 * len(keys), (chi2, plain, spec)
 
 
-def test_speculative_config_errors():
+def test_speculative_flags():
+    def parse(**kw):
+        return parse_speculative_config(argparse.Namespace(**{"mtp": None, "speculative_config": None, **kw}))
+
     with pytest.raises(UserError, match="straight quotes"):
-        SpeculativeConfig.parse("{\u201cmethod\u201d:\u201cmtp\u201d,\u201cnum_speculative_tokens\u201d:2}")
+        parse(speculative_config="{\u201cmethod\u201d:\u201cmtp\u201d,\u201cnum_speculative_tokens\u201d:2}")
     with pytest.raises(UserError, match="1 to 4"):
-        SpeculativeConfig.parse('{"method":"mtp","num_speculative_tokens":9}')
-    assert SpeculativeConfig.parse('{"method":"mtp","num_speculative_tokens":3}').num_speculative_tokens == 3
+        parse(speculative_config='{"method":"mtp","num_speculative_tokens":9}')
+    with pytest.raises(UserError, match="not both"):
+        parse(mtp=2, speculative_config='{"method":"mtp"}')
+    assert parse(speculative_config='{"method":"mtp","num_speculative_tokens":3}') == SpeculativeConfig(3)
+    assert parse(mtp=2) == SpeculativeConfig(2)
+    assert parse() is None

@@ -7,6 +7,7 @@ import json
 import sys
 
 from ..errors import UserError
+from .flags import add_speculative_args, parse_speculative_config
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -14,6 +15,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: the model's)")
+    add_speculative_args(p)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +53,9 @@ def register(sub) -> None:
 def load_engine(args):
     from ..engine.engine import Engine
 
-    return Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    return Engine.from_pretrained(
+        args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, speculative=parse_speculative_config(args)
+    )
 
 
 def sampling_params(engine, args):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import re
@@ -12,14 +11,9 @@ import sys
 import time
 
 from ..errors import UserError
+from .flags import add_speculative_args, parse_speculative_config
 
 log = logging.getLogger("roofline.serve")
-
-# Typographic quotes pasted from forums and chat apps -> the straight ones JSON needs.
-_CURLY = {"\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"', "\u2033": '"', "\u00ab": '"', "\u00bb": '"',
-          "\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'", "\u2032": "'"}
-_MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp", "deepseek_mtp")
-
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a chat page",
@@ -48,50 +42,12 @@ def register(sub) -> None:
                    help="parse <tool_call> blocks into tool_calls (default qwen3_coder; the three formats share one parser)")
     p.add_argument("--enable-auto-tool-choice", action="store_true", help="accepted for vLLM compatibility (tool calls are parsed whenever a parser is set)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the model's")
-    p.add_argument("--speculative-config", default=None,
-                   help='JSON, e.g. \'{"method":"mtp","num_speculative_tokens":2}\' (validated; MTP speculation is not implemented yet)')
+    add_speculative_args(p)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="accepted for vLLM compatibility: roofline runs on one device (only 1)")
     p.set_defaults(func=run_serve)
 
 
 # -- flag parsing -------------------------------------------------------------------------
-
-def parse_json_flag(flag: str, value: str) -> dict:
-    """A JSON object flag; typographic quotes get an error that shows the corrected line."""
-    if any(ch in value for ch in _CURLY):
-        fixed = "".join(_CURLY.get(ch, ch) for ch in value)
-        hint = ""
-        try:
-            json.loads(fixed)
-        except json.JSONDecodeError:
-            hint = " (and check the rest of the JSON)"
-        raise UserError(f"{flag} contains typographic quotes (“ ” ‘ ’), which JSON does not accept. "
-                        f"Use straight quotes{hint}: {flag} '{fixed}'")
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{flag} is not valid JSON ({exc.msg} at character {exc.pos}): {value}\n"
-                        f"  example: {flag} '{{\"method\":\"mtp\",\"num_speculative_tokens\":2}}'") from None
-    if not isinstance(parsed, dict):
-        raise UserError(f"{flag} must be a JSON object, got {type(parsed).__name__}: {value}")
-    return parsed
-
-
-def parse_speculative_config(value: str | None) -> dict | None:
-    if value is None:
-        return None
-    config = parse_json_flag("--speculative-config", value)
-    method = config.get("method")
-    if method not in _MTP_METHODS:
-        raise UserError(f"--speculative-config: method {method!r} is not supported; roofline knows \"mtp\" (aliases: {', '.join(_MTP_METHODS[1:])})")
-    n = config.get("num_speculative_tokens", 1)
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 8:
-        raise UserError(f"--speculative-config: num_speculative_tokens must be an integer from 1 to 8, got {n!r}")
-    unknown = sorted(set(config) - {"method", "num_speculative_tokens", "model"})
-    if unknown:
-        log.warning("--speculative-config: ignoring unknown key(s) %s", ", ".join(unknown))
-    return {"method": "mtp", "num_speculative_tokens": n}
-
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -159,7 +115,7 @@ def _gib(n: int) -> str:
 
 def run_serve(args) -> int:
     validate_args(args)
-    speculative = parse_speculative_config(args.speculative_config)
+    speculative = parse_speculative_config(args)
     budget_override = parse_bytes(args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes is not None else None
     chat_template = None
     if args.chat_template:
@@ -181,7 +137,8 @@ def run_serve(args) -> int:
     log.info("loading the model from %s ...", model_dir)
     start = time.monotonic()
     try:
-        engine = Engine.from_pretrained(str(model_dir), device=args.device, dtype=dtype, max_model_len=args.max_model_len)
+        engine = Engine.from_pretrained(str(model_dir), device=args.device, dtype=dtype, max_model_len=args.max_model_len,
+                                        speculative=speculative)
     except (ValueError, OSError) as exc:
         raise UserError(f"cannot load {model_dir}: {exc}") from exc
     params = sum(p.numel() for p in engine.model.parameters())
@@ -192,10 +149,7 @@ def run_serve(args) -> int:
             raise UserError("--chat-template: this model has no tokenizer.json")
         engine.tokenizer.chat_template = chat_template
     if speculative:
-        has_head = engine.model.mtp is not None
-        log.warning("--speculative-config %s: MTP speculative decoding is not implemented in roofline yet; serving WITHOUT "
-                    "speculation (the same greedy output, without the speed-up)%s", json.dumps(speculative),
-                    "" if has_head else "; this checkpoint has no MTP head anyway")
+        log.info("MTP speculative decoding: %d draft token(s) per step", speculative.num_speculative_tokens)
 
     memory = CacheMemory.for_model(engine.model.config, engine.model.dtype)
     budget = budget_override if budget_override is not None else cache_budget(args, engine)
@@ -214,7 +168,7 @@ def run_serve(args) -> int:
     config = ServerConfig(
         served_model_names=names, api_key=args.api_key or None, reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser, max_num_seqs=args.max_num_seqs, max_queued_requests=args.max_queued_requests,
-        cache_budget_bytes=budget, speculative_config=speculative,
+        cache_budget_bytes=budget,
     )
     app = create_app(engine, config)
     if args.host not in ("127.0.0.1", "localhost", "::1"):

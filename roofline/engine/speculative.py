@@ -19,7 +19,6 @@ hidden states of the newest positions and the tokens that follow them. A step:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import torch
@@ -28,32 +27,12 @@ from ..errors import UserError
 from .cache import SequenceCache
 from .sampling import Sampler, top_logprobs
 
-MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
-TYPOGRAPHIC_QUOTES = {"\u201c": '"', "\u201d": '"', "\u2018": "'", "\u2019": "'"}
+MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp", "deepseek_mtp")  # names vLLM accepts for this
 
 
 @dataclass
 class SpeculativeConfig:
     num_speculative_tokens: int = 2
-
-    @classmethod
-    def parse(cls, value: str, flag: str = "--speculative-config") -> "SpeculativeConfig":
-        """Parse vLLM's JSON flag; typographic quotes get an error that shows the corrected text."""
-        if any(q in value for q in TYPOGRAPHIC_QUOTES):
-            fixed = value.translate(str.maketrans(TYPOGRAPHIC_QUOTES))
-            raise UserError(f"{flag} contains typographic quotes (“ ” ‘ ’), which JSON does not accept; use straight quotes: {flag} '{fixed}'")
-        try:
-            raw = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{flag} is not valid JSON ({exc.msg} at character {exc.pos}): {value}") from exc
-        if not isinstance(raw, dict):
-            raise UserError(f"{flag} must be a JSON object such as '{{\"method\":\"mtp\",\"num_speculative_tokens\":2}}'")
-        if raw.get("method", "mtp") not in MTP_METHODS:
-            raise UserError(f"{flag}: method {raw.get('method')!r} is not supported; use \"mtp\"")
-        k = raw.get("num_speculative_tokens", 2)
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 4:
-            raise UserError(f"{flag}: num_speculative_tokens must be an integer from 1 to 4, got {k!r}")
-        return cls(k)
 
 
 @dataclass
@@ -166,3 +145,7 @@ class MtpSpeculator:
 
     def acceptance_rates(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]
+
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify step: the accepted drafts plus the bonus token."""
+        return 1 + sum(self.accepted) / self.drafted[0] if self.drafted[0] else 0.0

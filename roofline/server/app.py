@@ -47,7 +47,6 @@ class ServerConfig:
     max_num_seqs: int = 16
     max_queued_requests: int = 64
     cache_budget_bytes: int = 1 << 30
-    speculative_config: dict | None = None
     extra_model_info: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -57,6 +56,7 @@ class ServerConfig:
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     metrics = Metrics(config.model_name)
+    metrics.speculator = engine.speculator
     scheduler = Scheduler(engine, max_num_seqs=config.max_num_seqs, max_queued=config.max_queued_requests,
                           budget_bytes=config.cache_budget_bytes, metrics=metrics)
 

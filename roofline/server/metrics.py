@@ -39,6 +39,7 @@ class Metrics:
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
         self.gauges: dict[str, float] = {}  # set by the scheduler
+        self.speculator = None  # the engine's MtpSpeculator when speculative decoding is on
 
     def http_request(self, route: str, status: int) -> None:
         with self.lock:
@@ -108,6 +109,17 @@ class Metrics:
         for name, help in gauges:
             if name in g:
                 metric(name, "gauge", help, [("", g[name])])
+        if self.speculator is not None:
+            spec = self.speculator
+            positions = [f'position="{j + 1}"' for j in range(spec.k)]
+            metric("roofline_spec_decode_draft_tokens_total", "counter", "MTP draft tokens proposed, by draft position.",
+                   list(zip(positions, spec.drafted)))
+            metric("roofline_spec_decode_accepted_tokens_total", "counter", "MTP draft tokens accepted, by draft position.",
+                   list(zip(positions, spec.accepted)))
+            metric("roofline_spec_decode_acceptance_rate", "gauge", "Accepted / proposed drafts, by draft position.",
+                   list(zip(positions, spec.acceptance_rates())))
+            metric("roofline_spec_decode_mean_accepted_length", "gauge", "Tokens produced per verify step (accepted drafts + 1).",
+                   [("", spec.mean_accepted_length())])
         return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,63 @@
+"""Flags shared by several commands: JSON flags (with a fix for pasted typographic quotes) and speculation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..engine.speculative import MTP_METHODS, SpeculativeConfig
+from ..errors import UserError
+
+# Typographic quotes pasted from forums and chat apps -> the straight ones JSON needs.
+_CURLY = {"\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"', "\u2033": '"', "\u00ab": '"', "\u00bb": '"',
+          "\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'", "\u2032": "'"}
+_EXAMPLE = '\'{"method":"mtp","num_speculative_tokens":2}\''
+
+
+def parse_json_flag(flag: str, value: str) -> dict:
+    """A JSON object flag; typographic quotes get an error that shows the corrected line."""
+    if any(ch in value for ch in _CURLY):
+        fixed = "".join(_CURLY.get(ch, ch) for ch in value)
+        hint = ""
+        try:
+            json.loads(fixed)
+        except json.JSONDecodeError:
+            hint = " (and check the rest of the JSON)"
+        raise UserError(f"{flag} contains typographic quotes (“ ” ‘ ’), which JSON does not accept. "
+                        f"Use straight quotes{hint}: {flag} '{fixed}'")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{flag} is not valid JSON ({exc.msg} at character {exc.pos}): {value}\n"
+                        f"  example: {flag} {_EXAMPLE}") from None
+    if not isinstance(parsed, dict):
+        raise UserError(f"{flag} must be a JSON object, got {type(parsed).__name__}: {value}")
+    return parsed
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-config", default=None, help=f"MTP speculative decoding, as vLLM: {_EXAMPLE}")
+    p.add_argument("--mtp", type=int, default=None, metavar="K", help="shorthand for --speculative-config with K draft tokens (1-4)")
+
+
+def parse_speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    if args.mtp is not None and args.speculative_config is not None:
+        raise UserError("give either --mtp or --speculative-config, not both")
+    if args.mtp is not None:
+        return _speculative("--mtp", {"method": "mtp", "num_speculative_tokens": args.mtp})
+    if args.speculative_config is None:
+        return None
+    return _speculative("--speculative-config", parse_json_flag("--speculative-config", args.speculative_config))
+
+
+def _speculative(flag: str, config: dict) -> SpeculativeConfig:
+    method = config.get("method")
+    if method not in MTP_METHODS:
+        raise UserError(f"{flag}: method {method!r} is not supported; roofline knows \"mtp\" (aliases: {', '.join(MTP_METHODS[1:])})")
+    k = config.get("num_speculative_tokens", 1)
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 4:
+        raise UserError(f"{flag}: num_speculative_tokens must be an integer from 1 to 4, got {k!r}")
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens", "model"})
+    if unknown:
+        raise UserError(f"{flag}: unknown key(s) {', '.join(unknown)}; roofline reads method and num_speculative_tokens")
+    return SpeculativeConfig(k)
