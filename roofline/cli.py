@@ -13,6 +13,7 @@ from .errors import UserError
 COMMAND_MODULES = [
     "roofline.commands.generate",
     "roofline.commands.serve",
+    "roofline.commands.bench",
 ]
 
 
