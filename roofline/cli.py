@@ -12,6 +12,8 @@ from .errors import UserError
 # Each module defines `register(subparsers)`, adding its subcommand(s) with `func` set.
 COMMAND_MODULES = [
     "roofline.commands.generate",
+    "roofline.commands.checkpoint",
+    "roofline.commands.ceiling",
     "roofline.commands.serve",
     "roofline.commands.bench",
 ]

@@ -23,12 +23,15 @@ from ..config import ModelConfig, load_config
 from ..model.qwen35 import Qwen35ForCausalLM
 from ..model.slots import LinearSlot, SlotPart
 from ..quant import FORMATS, DenseWeight, Fp8BlockWeight, Int4Weight, LinearWeight
+from ..quant.int8 import Int8RowWeight
 from .reader import CheckpointError, CheckpointReader, TensorInfo
 
 log = logging.getLogger("roofline.checkpoint")
 
 VISION_PREFIXES = ("model.visual.", "visual.")
-ALL_SUFFIXES = sorted({s for fmt in FORMATS for s in (*fmt.SUFFIXES, *fmt.OPTIONAL_SUFFIXES)})
+# Detection order: the first format whose required suffixes are all present wins (dense last).
+LOAD_FORMATS: tuple[type[LinearWeight], ...] = (*(f for f in FORMATS if f is not DenseWeight), Int8RowWeight, DenseWeight)
+ALL_SUFFIXES = sorted({s for fmt in LOAD_FORMATS for s in (*fmt.SUFFIXES, *fmt.OPTIONAL_SUFFIXES)})
 
 
 def canonical_name(name: str) -> str | None:
@@ -69,7 +72,7 @@ class _Planner:
 
     def detect(self, base: str) -> type[LinearWeight]:
         found = self.suffixes(base)
-        for fmt in FORMATS:
+        for fmt in LOAD_FORMATS:
             if set(fmt.SUFFIXES) <= found:
                 return fmt
         others = sorted(n for n in self.tensors if n.startswith(base + "."))
@@ -117,6 +120,9 @@ class _Planner:
             block = self.cfg.quantization.weight_block_size or (128, 128)
             scale = self.tensors[f"{first}.weight_scale_inv"]
             return Fp8BlockWeight(*args, block=block, scale_dtype=scale.dtype, device=self.device)
+        if fmt is Int8RowWeight:
+            scale = self.tensors[f"{first}.weight_scale"]
+            return Int8RowWeight(*args, scale_dtype=scale.dtype, device=self.device)
         return DenseWeight(*args, dtype=self.dtype, device=self.device)
 
     def _assign_part(self, weight: LinearWeight, part: SlotPart, fused_experts: bool) -> None:
@@ -152,31 +158,41 @@ def _set(root: nn.Module, path: str, value) -> None:
     setattr(root.get_submodule(parent) if parent else root, attr, value)
 
 
-def load_model(
-    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16
-) -> tuple[Qwen35ForCausalLM, LoadReport]:
-    """Build the model for `model_dir` and load its weights onto `device`, computing in `dtype`."""
-    cfg = load_config(model_dir)
-    reader = CheckpointReader(model_dir)
-    report = LoadReport()
+def checkpoint_tensors(reader: CheckpointReader, report: LoadReport | None = None) -> dict[str, TensorInfo]:
+    """The reader's tensors under canonical names (vision tower skipped, counted in `report`)."""
     tensors: dict[str, TensorInfo] = {}
     for name, info in reader.tensors.items():
         canon = canonical_name(name)
         if canon is None:
-            report.skipped_vision += 1
+            if report is not None:
+                report.skipped_vision += 1
         elif canon in tensors:
             raise CheckpointError(f"tensor {name} ({info.file.name}) duplicates {tensors[canon].name} ({tensors[canon].file.name})")
         else:
             tensors[canon] = TensorInfo(name, info.file, info.dtype, info.shape)
-    if report.skipped_vision:
-        log.info("skipped %d vision-tower tensors (a text engine does not use them)", report.skipped_vision)
+    return tensors
 
+
+def plan_model(
+    cfg: ModelConfig,
+    tensors: dict[str, TensorInfo],
+    device: str | torch.device = "meta",
+    dtype: torch.dtype = torch.bfloat16,
+    report: LoadReport | None = None,
+) -> tuple[Qwen35ForCausalLM, _Planner, LoadReport]:
+    """Build the model with each weight in its checkpoint format, allocated on `device`, without reading weights.
+
+    Raises CheckpointError (naming the tensor) if a tensor is missing, unexpected, misshapen or in an
+    unsupported format. On the `meta` device this validates a checkpoint from its headers alone.
+    """
+    report = report if report is not None else LoadReport()
+    tensors = dict(tensors)
     model = Qwen35ForCausalLM(cfg)
     if model.mtp is not None and not any(n.startswith("mtp.") for n in tensors):
         log.warning("config declares an MTP head but the checkpoint has no mtp.* tensors: speculative decoding is unavailable")
         model.mtp = None
     report.has_mtp = model.mtp is not None
-    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
+    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
 
     planner = _Planner(cfg, tensors, device, dtype)
@@ -194,6 +210,30 @@ def load_model(
         shown = ", ".join(planner.where(n) for n in unexpected[:8])
         more = f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""
         raise CheckpointError(f"{len(unexpected)} unexpected tensor(s) for this config: {shown}{more}")
+    return model, planner, report
+
+
+def validate_checkpoint(model_dir: str | Path, cfg: ModelConfig | None = None) -> LoadReport:
+    """Check from headers alone that `model_dir` loads: every tensor present once, supported, shaped per config."""
+    cfg = cfg or load_config(model_dir)
+    report = LoadReport()
+    tensors = checkpoint_tensors(CheckpointReader(model_dir), report)
+    plan_model(cfg, tensors, "meta", torch.bfloat16, report)
+    return report
+
+
+def load_model(
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16
+) -> tuple[Qwen35ForCausalLM, LoadReport]:
+    """Build the model for `model_dir` and load its weights onto `device`, computing in `dtype`."""
+    cfg = load_config(model_dir)
+    reader = CheckpointReader(model_dir)
+    report = LoadReport()
+    tensors = checkpoint_tensors(reader, report)
+    if report.skipped_vision:
+        log.info("skipped %d vision-tower tensors (a text engine does not use them)", report.skipped_vision)
+    model, planner, report = plan_model(cfg, tensors, device, dtype, report)
+    tensors = planner.tensors
 
     # Several targets can share one stored tensor (a tied lm_head reads the embedding).
     targets: dict[str, list[tuple[str, _Assignment]]] = defaultdict(list)
