@@ -136,9 +136,10 @@ def check_experts(t, experts, hidden, inter, topk, group, dtype, device, config=
 @cpu
 @pytest.mark.parametrize("t,config", [
     (1, None),
-    (3, {"SPLIT_K": 2}),     # shared experts among tokens, split K
-    (5, None),               # more than 4 tokens: the tensor-core path, 16-token chunks
-    (2, {"mma": True}),
+    (3, {"SPLIT_K": 2}),                 # shared experts among tokens, split K (tensor-core path)
+    (3, {"mma": False, "SPLIT_K": 2}),   # the same on the lanes path (up to 4 token rows)
+    (5, None),                           # 16-token chunks
+    (2, {"mma": False}),
 ])
 def test_experts_interpreter(t, config):
     check_experts(t, 6, 64, 48, 3, 16, torch.float32 if t % 2 else torch.float16, "cpu", config, tol=2e-3)
@@ -153,7 +154,8 @@ def test_experts_gpu(t):
 @gpu
 def test_experts_gpu_split_and_mma():
     check_experts(4, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"mma": True, "SPLIT_K": 3})
-    check_experts(2, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"SPLIT_K": 1})
+    check_experts(3, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"mma": False, "SPLIT_K": 1})
+    check_experts(4, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"mma": False})
 
 
 def test_experts_reference_matches_model():

@@ -65,3 +65,20 @@ def arrive(counter_ptr, expected):
 @triton.jit
 def reset(counter_ptr):
     tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def sum_splits(ptr, split_stride, offs, mask, SPLIT, SPLITP: tl.constexpr, CHUNK: tl.constexpr):
+    """Sum over s < SPLIT of ptr[s * split_stride + offs] (fp32, `offs`/`mask` 2-D), read through L2.
+
+    The loads of a chunk of CHUNK splits go out together and the chunks are unrolled (SPLITP, a
+    power of two >= SPLIT, is a compile-time bound), so the last program waits about one memory
+    round trip, not one per split.
+    """
+    acc = tl.zeros(offs.shape, dtype=tl.float32)
+    for c in tl.static_range(0, SPLITP, CHUNK):
+        s = c + tl.arange(0, CHUNK)
+        part = tl.load(ptr + s[:, None, None] * split_stride + offs[None, :, :],
+                       mask=(s < SPLIT)[:, None, None] & mask[None, :, :], other=0, cache_modifier=".cg")
+        acc += tl.sum(part, axis=0)
+    return acc

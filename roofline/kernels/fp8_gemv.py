@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, arrive, counters_for, reset
+from ._common import INTERPRET, arrive, counters_for, next_pow2, reset, sum_splits
 from .int4_gemv import _sm_count
 
 
@@ -31,7 +31,7 @@ def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, K_PER_SPLIT, S_COLS,
-    SBN: tl.constexpr, SBK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K,
+    SBN: tl.constexpr, SBK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -59,16 +59,17 @@ def _fp8_gemv_kernel(
     else:
         tl.store(ws_ptr + pid_k * M * N + offs, y, mask=omask)
         if arrive(cnt_ptr + pid_n, SPLIT_K):
-            total = tl.zeros([BM, BN], dtype=tl.float32)
-            for s in range(SPLIT_K):
-                total += tl.load(ws_ptr + s * M * N + offs, mask=omask, other=0, cache_modifier=".cg")
+            total = sum_splits(ws_ptr, M * N, offs, omask, SPLIT_K, SPLITP, 4)
             tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=omask)
             reset(cnt_ptr + pid_n)
 
 
 def default_config(m: int) -> dict:
+    """Measured on the H200 (benchmarks/NOTES-kernels.md): 8-row tiles on 2 warps win from 3 rows."""
     if INTERPRET:
         return {"BN": 16, "BK": 32, "num_warps": 1}
+    if m >= 3:
+        return {"BN": 8, "BK": 128, "num_warps": 2}
     return {"BN": 16, "BK": 128, "num_warps": 4}
 
 
@@ -101,7 +102,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
     cnt = counters if counters is not None else counters_for("fp8_gemv", tiles, x.device)
     _fp8_gemv_kernel[(tiles, split)](
         x2, weight, scale_inv, out, ws, cnt, m, n, k, k_per_split, scale_inv.shape[-1],
-        SBN=bn_s, SBK=bk_s, BM=max(1, 1 << (m - 1).bit_length()), BN=bn, BK=bk, SPLIT_K=split,
+        SBN=bn_s, SBK=bk_s, BM=max(1, 1 << (m - 1).bit_length()), BN=bn, BK=bk, SPLIT_K=split, SPLITP=next_pow2(split),
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
     )
     return out.reshape(*lead, n)

@@ -166,7 +166,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         raise ValueError(f"{hv} value heads do not divide into {num_k_heads} key heads")
     kernel = conv_state.shape[1] + 1
     group = hv // num_k_heads
-    bv = block_v or (16 if not INTERPRET else 8)
+    bv = block_v or (16 if not INTERPRET else 8)  # 512 programs per sequence at 122B shapes
     nvb = triton.cdiv(dv, bv)
     if out is None:
         out = torch.empty(bsz, hv * dv, dtype=qkv.dtype, device=qkv.device)
@@ -177,6 +177,6 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         A_log, dt_bias, norm_weight, state, out, o_ws, cnt,
         conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps,
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
-        CONV_TY=_TL[conv_weight.dtype], num_warps=num_warps or (4 if not INTERPRET else 1),
+        CONV_TY=_TL[conv_weight.dtype], num_warps=num_warps or (2 if not INTERPRET else 1),
     )
     return out

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, arrive, counters_for, next_pow2, reset
+from ._common import INTERPRET, arrive, counters_for, next_pow2, reset, sum_splits
 from .int4_gemv import MAGIC, _launch_geometry, int4_group_dot, int4_group_mma, int4_matmul_reference, is_symmetric, rows_per_step
 
 
@@ -117,7 +117,7 @@ def _gate_up_kernel(
     x_ptr, ids_ptr, qw_ptr, qz_ptr, sc_ptr, act_ptr, ws_ptr, cnt_ptr,
     T, K, I, KP_PER_SPLIT, MAGIC,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
-    ROWS: tl.constexpr, SYM: tl.constexpr, SPLIT_K, USE_MMA: tl.constexpr,
+    ROWS: tl.constexpr, SYM: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, USE_MMA: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -152,17 +152,14 @@ def _gate_up_kernel(
             tl.store(base + I, up, mask=omask)
             cnt = cnt_ptr + pid_s * tl.num_programs(0) + pid_n
             if arrive(cnt, SPLIT_K):
-                g = tl.zeros([CH, BN], dtype=tl.float32)
-                u = tl.zeros([CH, BN], dtype=tl.float32)
-                for s in range(SPLIT_K):
-                    src = ws_ptr + s * (T * TOPK * 2 * I) + row[:, None] * (2 * I) + n_offs[None, :]
-                    g += tl.load(src, mask=omask, other=0, cache_modifier=".cg")
-                    u += tl.load(src + I, mask=omask, other=0, cache_modifier=".cg")
-                act = g / (1.0 + tl.exp(-g)) * u
                 # masks rebuilt here: reusing the outer ones trips a layout pass (operand does not dominate)
                 is_owner2, e2, tok2, routed2, choice2 = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
                 row2 = tok2 * TOPK + choice2
                 omask2 = routed2[:, None] & (n_offs < I)[None, :]
+                offs = row2[:, None] * (2 * I) + n_offs[None, :]
+                g = sum_splits(ws_ptr, T * TOPK * 2 * I, offs, omask2, SPLIT_K, SPLITP, 4)
+                u = sum_splits(ws_ptr + I, T * TOPK * 2 * I, offs, omask2, SPLIT_K, SPLITP, 4)
+                act = g / (1.0 + tl.exp(-g)) * u
                 tl.store(act_ptr + row2[:, None] * I + n_offs[None, :], act.to(act_ptr.dtype.element_ty), mask=omask2)
                 reset(cnt)
 
@@ -172,7 +169,7 @@ def _down_kernel(
     act_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr,
     T, I, H, KP_PER_SPLIT, MAGIC,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
-    ROWS: tl.constexpr, SYM: tl.constexpr, SPLIT_K, USE_MMA: tl.constexpr,
+    ROWS: tl.constexpr, SYM: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, USE_MMA: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -204,17 +201,20 @@ def _down_kernel(
         toks = chunk * CH + rr
         tmask = (toks < T)[:, None] & n_mask[None, :]
         total = tl.zeros([CH, BN], dtype=tl.float32)
-        for s in range(SPLIT_K):
-            for j in range(TOPK):
-                total += tl.load(ws_ptr + s * (T * TOPK * H) + (toks * TOPK + j)[:, None] * H + n_offs[None, :],
-                                 mask=tmask, other=0, cache_modifier=".cg")
+        for j in tl.static_range(TOPK):  # all k choices' partials are loaded together
+            total += sum_splits(ws_ptr, T * TOPK * H, (toks * TOPK + j)[:, None] * H + n_offs[None, :], tmask,
+                                SPLIT_K, SPLITP, 2)
         tl.store(out_ptr + toks[:, None] * H + n_offs[None, :], total.to(out_ptr.dtype.element_ty), mask=tmask)
         reset(cnt)
 
 
 def _config(t: int, n: int, group_size: int, config: dict | None) -> dict:
-    """FMA path (one lane, up to 4 token rows) for up to 4 tokens; the tensor-core path, 16 rows a chunk, beyond."""
-    mma = bool((config or {}).get("mma", t > 4))
+    """FMA path (rows on the lanes) for one token; from two tokens the tensor-core path, 16 token rows a chunk.
+
+    Measured on the H200 (benchmarks/NOTES-kernels.md): at T=4 the lanes path took 207 us for
+    gate_up, the tensor-core path 81 us; at T=1 the lanes path is ~2x faster.
+    """
+    mma = bool((config or {}).get("mma", t > 1))
     if INTERPRET:
         cfg = {"BN": 32, "ROWS": rows_per_step(group_size, 4), "num_warps": 1}
     elif mma:
@@ -249,7 +249,7 @@ def experts_gate_up(x: torch.Tensor, ids: torch.Tensor, qweight, qzeros, scales,
     _gate_up_kernel[(tiles, chunks * slots, split)](
         x.contiguous(), ids.contiguous(), qweight, qzeros, scales, act, ws, cnt, t, k, inter, kp_per_split, MAGIC,
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, GROUP=group_size, BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym),
-        SPLIT_K=split, USE_MMA=bool(cfg["mma"]), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+        SPLIT_K=split, SPLITP=next_pow2(split), USE_MMA=bool(cfg["mma"]), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
     )
     return act
 
@@ -275,6 +275,6 @@ def experts_down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qw
         act.contiguous(), ids.contiguous(), weights.contiguous(), qweight, qzeros, scales, out, ws, cnt,
         t, inter, h, kp_per_split, MAGIC,
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, GROUP=group_size, BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym),
-        SPLIT_K=split, USE_MMA=bool(cfg["mma"]), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+        SPLIT_K=split, SPLITP=next_pow2(split), USE_MMA=bool(cfg["mma"]), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
     )
     return out

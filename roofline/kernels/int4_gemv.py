@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..quant.int4 import unpack_cols, unpack_rows
-from ._common import INTERPRET, arrive, counters_for, next_pow2, reset
+from ._common import INTERPRET, arrive, counters_for, next_pow2, reset, sum_splits
 
 
 def int4_matmul_reference(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128) -> torch.Tensor:
@@ -178,6 +178,17 @@ def split_rows(acc, BN: tl.constexpr):
 
 
 @triton.jit
+def split_rows(acc, BN: tl.constexpr):
+    """Rows 0..3 of a [16, BN] accumulator as four [BN] tensors."""
+    m16 = tl.arange(0, 16)[:, None]
+    y0 = tl.sum(tl.where(m16 == 0, acc, 0.0), axis=0)
+    y1 = tl.sum(tl.where(m16 == 1, acc, 0.0), axis=0)
+    y2 = tl.sum(tl.where(m16 == 2, acc, 0.0), axis=0)
+    y3 = tl.sum(tl.where(m16 == 3, acc, 0.0), axis=0)
+    return y0, y1, y2, y3
+
+
+@triton.jit
 def store_rows(ptr, stride, n_offs, N, M, y0, y1, y2, y3, BM: tl.constexpr):
     """ptr[i * stride + n] = yI for rows i < M (yI fp32, cast to ptr's type)."""
     ty = ptr.dtype.element_ty
@@ -209,7 +220,7 @@ def _int4_gemv_kernel(
     x_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KP_PER_SPLIT, MAGIC,
     GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr, SYM: tl.constexpr,
-    SPLIT_K, USE_MMA: tl.constexpr,
+    SPLIT_K, SPLITP: tl.constexpr, USE_MMA: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -227,22 +238,17 @@ def _int4_gemv_kernel(
         y0, y1, y2, y3 = int4_group_dot(
             x_ptr, 0, K, 2 * K, 3 * K, M > 0, M > 1, M > 2, M > 3,
             qw_ptr, qz_ptr, sc_ptr, n_offs, n_mask, N, kp_start, kp_end, MAGIC, GROUP, BM, BN, ROWS, SYM)
+    rb = tl.arange(0, BM)[:, None]  # the BM (1, 2 or 4) output rows as one tile
+    y = tl.where(rb == 0, y0[None, :], tl.where(rb == 1, y1[None, :], tl.where(rb == 2, y2[None, :], y3[None, :])))
+    offs = rb * N + n_offs[None, :]
+    mask = (rb < M) & (n_offs < N)[None, :]
     if SPLIT_K == 1:
-        store_rows(out_ptr, N, n_offs, N, M, y0, y1, y2, y3, BM)
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        store_rows(ws_ptr + pid_k * 4 * N, N, n_offs, N, M, y0, y1, y2, y3, BM)
+        tl.store(ws_ptr + pid_k * 4 * N + offs, y, mask=mask)
         if arrive(cnt_ptr + pid_n, SPLIT_K):
-            t0 = tl.zeros([BN], dtype=tl.float32)
-            t1 = t0
-            t2 = t0
-            t3 = t0
-            for s in range(SPLIT_K):
-                a0, a1, a2, a3 = load_rows(ws_ptr + s * 4 * N, N, n_offs, N, M, BM)
-                t0 += a0
-                t1 += a1
-                t2 += a2
-                t3 += a3
-            store_rows(out_ptr, N, n_offs, N, M, t0, t1, t2, t3, BM)
+            total = sum_splits(ws_ptr, 4 * N, offs, mask, SPLIT_K, SPLITP, 4)
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
             reset(cnt_ptr + pid_n)
 
 
@@ -263,7 +269,7 @@ def rows_per_step(group_size: int, want: int = 16) -> int:
     return rows
 
 
-def pick_split(tiles: int, k_steps: int, device: torch.device, programs_per_sm: float = 2.0) -> int:
+def pick_split(tiles: int, k_steps: int, device: torch.device, programs_per_sm: float = 4.0) -> int:
     """Split K until the grid has about `programs_per_sm` programs per SM (never more splits than K steps)."""
     target = int(_sm_count(device) * programs_per_sm)
     split = max(1, min(k_steps, -(-target // max(tiles, 1))))
@@ -285,14 +291,14 @@ def default_config(m: int, n: int, k: int, group_size: int) -> dict:
     if INTERPRET:
         return {"BN": 32, "ROWS": rows_per_step(group_size, 4), "num_warps": 1, "mma": mma}
     if mma:
-        return {"BN": 128, "ROWS": rows_per_step(group_size, 16), "num_warps": 8, "mma": True}
+        return {"BN": 64, "ROWS": rows_per_step(group_size, 16), "num_warps": 4, "mma": True}
     return {"BN": 256, "ROWS": rows_per_step(group_size, 8), "num_warps": 2, "mma": False}
 
 
 def _launch_geometry(n, k, cfg, device, tiles_extra: int = 1):
     tiles = triton.cdiv(n, cfg["BN"])
     k_steps = triton.cdiv(k // 8, cfg["ROWS"])
-    split = cfg.get("SPLIT_K") or pick_split(tiles * tiles_extra, k_steps, device, cfg.get("programs_per_sm", 2.0))
+    split = cfg.get("SPLIT_K") or pick_split(tiles * tiles_extra, k_steps, device, cfg.get("programs_per_sm", 4.0))
     kp_per_split = triton.cdiv(k_steps, split) * cfg["ROWS"]
     split = triton.cdiv(k // 8, kp_per_split)
     return tiles, split, kp_per_split
@@ -323,7 +329,7 @@ def int4_matmul(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128,
     cnt = counters if counters is not None else counters_for("int4_gemv", tiles, x.device)
     _int4_gemv_kernel[(tiles, split)](
         x2, qweight, qzeros, scales, out, ws, cnt, m, n, k, kp_per_split, MAGIC,
-        GROUP=group_size, BM=next_pow2(m), BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym), SPLIT_K=split,
+        GROUP=group_size, BM=next_pow2(m), BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym), SPLIT_K=split, SPLITP=next_pow2(split),
         USE_MMA=bool(cfg.get("mma", False)),
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
     )

@@ -3,9 +3,10 @@
 Layout (roofline.quant.int8, no repack): weight int8 [V, H] row-major, weight_scale [V, 1]. Each
 program owns BV vocabulary rows and walks H with 16-byte loads along the row (lanes along H);
 every weight tile is read once and multiplied with all M token rows, so M = 2..4 (the MTP verify
-batch) costs the same bytes as M = 1. Per-lane partial sums stay in registers until one cross-lane
-reduction at the end, and the row scale multiplies once. V is large (248320), so the grid needs
-no split of H.
+batch) costs the same bytes as M = 1. Each lane sums its 16 bytes of a row into one register per
+(token, row), the next tile's loads are issued before this tile's math (register double-buffer),
+and the lanes' partials meet in one reduction at the end; the row scale multiplies once. V is
+large (248320), so the grid needs no split of H.
 """
 
 from __future__ import annotations
@@ -24,31 +25,52 @@ def int8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Te
 
 
 @triton.jit
+def _x_part(x_ptr, row, h, lim, BH: tl.constexpr):
+    """x[row, h] as [1, BH/16, 16] fp32 (0 past lim: H, or 0 for an absent row)."""
+    xr = tl.load(x_ptr + row + h, mask=h < lim, other=0).to(tl.float32)
+    return tl.reshape(xr, [BH // 16, 16])[None, :, :]
+
+
+@triton.jit
 def _int8_rows_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, V, H,
-    BM: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr, EVEN_H: tl.constexpr,
+    BM: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     v = pid * BV + tl.arange(0, BV)
     v_mask = v < V
-    m = tl.arange(0, BM)
-    m_mask = m < M
     hh = tl.arange(0, BH)
-    acc = tl.zeros([BM, BV, BH], dtype=tl.float32)
+    lim1 = tl.where(M > 1, H, 0)
+    lim2 = tl.where(M > 2, H, 0)
+    lim3 = tl.where(M > 3, H, 0)
+    # per-lane partial sums over 16 consecutive h (one 16-byte load), one accumulator per token row,
+    # reduced across lanes once at the end
+    acc0 = tl.zeros([BV, BH // 16], dtype=tl.float32)
+    acc1 = tl.zeros([BV, BH // 16], dtype=tl.float32)
+    acc2 = tl.zeros([BV, BH // 16], dtype=tl.float32)
+    acc3 = tl.zeros([BV, BH // 16], dtype=tl.float32)
     w_rows = w_ptr + v.to(tl.int64)[:, None] * H
+    w_next = tl.load(w_rows + hh[None, :], mask=v_mask[:, None] & (hh < H)[None, :], other=0)
     for h0 in range(0, H, BH):
+        w = w_next  # registers double-buffer the weight tile: the next one is in flight during this math
+        hn = h0 + BH + hh
+        w_next = tl.load(w_rows + hn[None, :], mask=v_mask[:, None] & (hn < H)[None, :], other=0)
         h = h0 + hh
-        if EVEN_H:
-            w = tl.load(w_rows + h[None, :], mask=v_mask[:, None], other=0)
-            x = tl.load(x_ptr + m[:, None] * H + h[None, :], mask=m_mask[:, None], other=0)
-        else:
-            hmask = h < H
-            w = tl.load(w_rows + h[None, :], mask=v_mask[:, None] & hmask[None, :], other=0)
-            x = tl.load(x_ptr + m[:, None] * H + h[None, :], mask=m_mask[:, None] & hmask[None, :], other=0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        w3 = tl.reshape(w.to(tl.float32), [BV, BH // 16, 16])
+        acc0 += tl.sum(_x_part(x_ptr, 0, h, H, BH) * w3, axis=2)
+        if BM > 1:
+            acc1 += tl.sum(_x_part(x_ptr, H, h, lim1, BH) * w3, axis=2)
+        if BM > 2:
+            acc2 += tl.sum(_x_part(x_ptr, 2 * H, h, lim2, BH) * w3, axis=2)
+            acc3 += tl.sum(_x_part(x_ptr, 3 * H, h, lim3, BH) * w3, axis=2)
     scale = tl.load(s_ptr + v, mask=v_mask, other=0).to(tl.float32)
-    y = tl.sum(acc, axis=2) * scale[None, :]
-    tl.store(out_ptr + m[:, None] * V + v[None, :], y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & v_mask[None, :])
+    ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + v, (tl.sum(acc0, axis=1) * scale).to(ty), mask=v_mask)
+    if BM > 1:
+        tl.store(out_ptr + V + v, (tl.sum(acc1, axis=1) * scale).to(ty), mask=v < tl.where(M > 1, V, 0))
+    if BM > 2:
+        tl.store(out_ptr + 2 * V + v, (tl.sum(acc2, axis=1) * scale).to(ty), mask=v < tl.where(M > 2, V, 0))
+        tl.store(out_ptr + 3 * V + v, (tl.sum(acc3, axis=1) * scale).to(ty), mask=v < tl.where(M > 3, V, 0))
 
 
 def default_config(m: int) -> dict:
@@ -72,7 +94,7 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, o
         out = torch.empty(m, v, dtype=out_dtype or x.dtype, device=x.device)
     _int8_rows_kernel[(triton.cdiv(v, cfg["BV"]),)](
         x2, weight, scale.reshape(-1), out, m, v, h,
-        BM=max(1, 1 << (m - 1).bit_length()), BV=cfg["BV"], BH=cfg["BH"], EVEN_H=h % cfg["BH"] == 0,
+        BM=max(1, 1 << (m - 1).bit_length()), BV=cfg["BV"], BH=cfg["BH"],
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
     )
     return out.reshape(*lead, v)
