@@ -6,11 +6,10 @@ Published Qwen3.5 checkpoints are multimodal (`...ForConditionalGeneration`, tex
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, read_json_file
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
 
@@ -170,10 +169,5 @@ def _quantization(raw: dict | None) -> QuantizationConfig:
 
 def load_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path}: not found (is {model_dir} a Qwen3.5 checkpoint folder?)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    raw = read_json_file(path, "model config (is the folder a Qwen3.5 checkpoint?)", ConfigError)
     return ModelConfig.from_dict(raw, source=str(path))

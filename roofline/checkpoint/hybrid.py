@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..bench.ceiling import MACHINES, bytes_summary, ceiling_table, format_bytes, token_bytes
 from ..config import ModelConfig
-from ..errors import UserError
+from ..errors import UserError, read_json_file
 from .build import (BuildPlan, Choice, PlanError, Source, check_same_model, plan_units, quantization_config, summary_table,
                     vision_steps, with_quantization)
 from .classes import MODULE_CLASSES
@@ -56,13 +56,7 @@ def load_plan_file(path: str | Path | None) -> dict[str, tuple[str, str]]:
     if path is None:
         return dict(DEFAULT_PLAN)
     p = Path(path).expanduser()
-    if not p.is_file():
-        raise UserError(f"plan file {p} not found")
-    try:
-        raw = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"plan file {p}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    return parse_plan(raw, f"plan file {p}")
+    return parse_plan(read_json_file(p, "plan file"), f"plan file {p}")
 
 
 def hybrid_plan(int4: str, fp8: str, plan: dict[str, tuple[str, str]] | None = None) -> BuildPlan:

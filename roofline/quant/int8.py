@@ -4,7 +4,7 @@ w[n, k] = q[n, k] * weight_scale[n], scale = absmax(row) / 127, q = round(w / sc
 Quantised from the BF16 checkpoint at load (`Int8RowWeight.from_dense`), it halves the LM head's
 bytes (1.5 GB -> 0.76 GB at 122B), and a row-wise scale is precise enough there because each
 row is read whole for every token. Tensor names follow vLLM's compressed-tensors channel-wise
-INT8 (the same storage as roofline.checkpoint.int8, so checkpoints written either way load).
+INT8 (so `roofline checkpoint quantize --lm-head int8` writes what the loader reads).
 The fast kernel is roofline.kernels.int8_lm_head.
 """
 
