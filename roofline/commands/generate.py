@@ -129,13 +129,14 @@ def run_chat(args) -> int:
         text = engine.tokenizer.apply_chat_template(messages, enable_thinking=not args.no_thinking)
         splitter = ReasoningSplitter(starts_in_reasoning=text.rstrip().endswith("<think>"))
         answer, mode = [], None
+        dim = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "")  # thinking shown faint on a terminal
         try:
             for event in engine.generate(engine.tokenizer.encode(text), params):
                 for kind, chunk in splitter.feed(event.text):
                     if kind != mode:
                         sys.stdout.write("\n[thinking] " if kind == "reasoning" else "\n")
                         mode = kind
-                    sys.stdout.write(f"\033[2m{chunk}\033[0m" if kind == "reasoning" else chunk)
+                    sys.stdout.write(f"{dim[0]}{chunk}{dim[1]}" if kind == "reasoning" else chunk)
                     if kind == "content":
                         answer.append(chunk)
                 sys.stdout.flush()
