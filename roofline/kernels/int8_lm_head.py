@@ -74,9 +74,10 @@ def _int8_rows_kernel(
 
 
 def default_config(m: int) -> dict:
+    """From the H200 sweep (benchmarks/NOTES-kernels.md): 16 rows x 256 bytes; 2 warps from 2 token rows."""
     if INTERPRET:
         return {"BV": 16, "BH": 32, "num_warps": 1}
-    return {"BV": 16, "BH": 256, "num_warps": 4}
+    return {"BV": 16, "BH": 256, "num_warps": 4 if m == 1 else 2}
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, out_dtype=None, out=None,
