@@ -24,13 +24,14 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from roofline.bench.environment import git_commit
 
 HIDDEN = 3072
 L2_BYTES = 60e6
@@ -85,18 +86,6 @@ def copy_bandwidth_gbps() -> tuple[float, dict]:
     ways["elementwise_graph"] = 2 * n / (median_us(lambda: torch.mul(src, 1.0, out=dst), rep_ms=50) * 1e-6) / 1e9
     del src, dst
     return max(ways.values()), {k: round(v, 1) for k, v in ways.items()}
-
-
-def git_commit() -> str:
-    if os.environ.get("ROOFLINE_COMMIT"):  # the device copy of the tree may have no .git
-        return os.environ["ROOFLINE_COMMIT"]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "roofline/kernels", "benchmarks/kernels.py"],
-                               capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
-        return (sha or "unknown") + ("+dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 class Bench:
@@ -431,7 +420,7 @@ def main():
     def write():  # after every case, so a run cut short keeps what it measured
         result = {
             "benchmark": "kernels", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": git_commit(), "device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+            "commit": git_commit() or "unknown", "device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
             "torch": torch.__version__, "triton": triton.__version__, "copy_bandwidth_GBps": round(copy, 1),
             "copy_bandwidth_ways_GBps": copy_ways,
             "timing": "triton.testing.do_bench_cudagraph, median of 10 replays of a graph of back-to-back calls, rotated inputs",

@@ -1,7 +1,6 @@
 """The chat page at `/`: self-contained (works offline), and in headless Chromium it sends a
 message and shows the streamed answer, with thinking folded."""
 
-import json
 import re
 import shutil
 

@@ -7,10 +7,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from roofline.checkpoint import CheckpointError, load_model
-from roofline.checkpoint.convert import publish_names, quantize_linear
+from roofline.checkpoint.convert import publish_names
 from roofline.checkpoint.writer import write_checkpoint
 from roofline.config import ConfigError
-from roofline.engine.cache import SequenceCache
 from tiny_checkpoints import INT4_PLAN, reference_model, text_config, write_variant
 
 

@@ -7,7 +7,6 @@ import json
 import random
 
 import pytest
-import torch
 
 from roofline.commands.flags import parse_speculative_config
 from roofline.commands.serve import parse_bytes

@@ -8,12 +8,12 @@ import os
 import platform
 import re
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from .. import __version__
+from .environment import git_commit
 from ..errors import UserError
 
 FORMAT = "roofline-bench/1"
@@ -61,15 +61,6 @@ class Progress:
 
 # -- environment and files ----------------------------------------------------------------
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
-                             text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
 def environment(client, label: str | None) -> dict:
     return {
         "url": client.url,
@@ -77,7 +68,7 @@ def environment(client, label: str | None) -> dict:
         "label": label,
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "roofline_version": __version__,
-        "roofline_commit": _git_commit(),
+        "roofline_commit": git_commit(),
         "client_host": socket.gethostname(),
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
 import re
-import sys
 import time
 
 from ..errors import UserError

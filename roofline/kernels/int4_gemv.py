@@ -178,17 +178,6 @@ def split_rows(acc, BN: tl.constexpr):
 
 
 @triton.jit
-def split_rows(acc, BN: tl.constexpr):
-    """Rows 0..3 of a [16, BN] accumulator as four [BN] tensors."""
-    m16 = tl.arange(0, 16)[:, None]
-    y0 = tl.sum(tl.where(m16 == 0, acc, 0.0), axis=0)
-    y1 = tl.sum(tl.where(m16 == 1, acc, 0.0), axis=0)
-    y2 = tl.sum(tl.where(m16 == 2, acc, 0.0), axis=0)
-    y3 = tl.sum(tl.where(m16 == 3, acc, 0.0), axis=0)
-    return y0, y1, y2, y3
-
-
-@triton.jit
 def store_rows(ptr, stride, n_offs, N, M, y0, y1, y2, y3, BM: tl.constexpr):
     """ptr[i * stride + n] = yI for rows i < M (yI fp32, cast to ptr's type)."""
     ty = ptr.dtype.element_ty
