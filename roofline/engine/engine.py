@@ -16,6 +16,7 @@ import torch
 
 from ..checkpoint import load_model
 from ..hub import resolve_model
+from ..kernels.dispatch import install_fast_path
 from ..model import Qwen35ForCausalLM
 from .cache import SequenceCache
 from .sampling import Sampler, SamplingParams, make_generator
@@ -88,11 +89,16 @@ class Engine:
         dtype: str | None = None,
         max_model_len: int | None = None,
         speculative: SpeculativeConfig | None = None,
+        fast_path: bool = True,
     ) -> "Engine":
         model_dir = resolve_model(model)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         net, _ = load_model(model_dir, device, torch_dtype)
+        if fast_path:
+            install_fast_path(net)
+        else:
+            log.info("fast path off: running the PyTorch reference path")
         if (model_dir / "tokenizer.json").is_file():
             tokenizer = Tokenizer.from_dir(model_dir)
         else:
