@@ -50,8 +50,8 @@ def encode_conversation(tok: Tokenizer, conv: dict, template: str | None = None)
 
 
 def _gen_chunk(args):
-    seed, chunk, n, split, max_facts, max_len = args
-    gen = TaskGenerator(seed=seed * 1_000_003 + chunk, split=split, max_facts=max_facts)
+    seed, chunk, n, split, max_facts, max_len, mix = args
+    gen = TaskGenerator(seed=seed * 1_000_003 + chunk, split=split, max_facts=max_facts, mix=mix)
     out = []
     while len(out) < n:
         conv = gen.sample()
@@ -62,12 +62,12 @@ def _gen_chunk(args):
 
 
 def generate_docs(tok_path: str, seed: int, n_docs: int, split: str = "train", max_facts: int = 230,
-                  max_len: int = 2560, workers: int = 8, chunk_size: int = 2000):
+                  max_len: int = 2560, workers: int = 8, chunk_size: int = 2000, mix: dict | None = None):
     """n_docs tokenised conversations; deterministic for a given seed and chunk_size
     (chunk i always uses generator seed*1000003+i, whatever the number of workers)."""
     template = load_template()
     n_chunks = (n_docs + chunk_size - 1) // chunk_size
-    jobs = [(seed, c, min(chunk_size, n_docs - c * chunk_size), split, max_facts, max_len) for c in range(n_chunks)]
+    jobs = [(seed, c, min(chunk_size, n_docs - c * chunk_size), split, max_facts, max_len, mix) for c in range(n_chunks)]
     if workers <= 1:
         _init_worker(tok_path, template)
         parts = [_gen_chunk(j) for j in jobs]

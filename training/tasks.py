@@ -34,8 +34,10 @@ import random
 SPLIT_SALT = "roofline-tiny-v1"
 HELDOUT_PER_MILLE = 100
 
-TASKS = ("arithmetic", "recall", "tool", "chat")
-DEFAULT_MIX = {"arithmetic": 0.46, "recall": 0.30, "tool": 0.14, "chat": 0.10}
+TASKS = ("arithmetic", "recall", "tool", "chat", "recall_multi", "copy")
+# recall_multi and copy (extra copying signal) have weight 0 here so that the default stream
+# stays the one the first training stage used; the second stage turns them on with --mix.
+DEFAULT_MIX = {"arithmetic": 0.46, "recall": 0.30, "tool": 0.14, "chat": 0.10, "recall_multi": 0.0, "copy": 0.0}
 
 
 def split_of(key: str) -> str:
@@ -289,6 +291,56 @@ def recall_conversation(rng: random.Random, thinking: bool, n_facts: int, query_
     ]
     return {"task": "recall", "messages": msgs, "tools": None, "enable_thinking": thinking,
             "answer": qv, "split_key": f"recall:{qk}", "meta": {"n_facts": n_facts, "key": qk}}
+
+
+def recall_multi_conversation(rng: random.Random, thinking: bool, n_facts: int, query_keys: list[str]) -> dict:
+    """Several keys asked at once: more copying signal per context token."""
+    n_facts = max(n_facts, len(query_keys))
+    keys, seen_k = list(query_keys), set(query_keys)
+    while len(keys) < n_facts:
+        k = _recall_key(rng)
+        if k in seen_k or any(k.startswith(q) or q.startswith(k) for q in query_keys):
+            continue
+        seen_k.add(k)
+        keys.append(k)
+    values, seen_v = [], set()
+    while len(values) < n_facts:
+        v = _recall_value(rng)
+        if v not in seen_v:
+            seen_v.add(v)
+            values.append(v)
+    order = list(range(n_facts))
+    rng.shuffle(order)
+    lines = "\n".join(f"{keys[i]}: {values[i]}" for i in order)
+    q = list(range(len(query_keys)))
+    names = [keys[i] for i in q]
+    ask = ", ".join(names[:-1]) + " and " + names[-1]
+    user = rng.choice(RECALL_INTROS) + "\n" + lines + "\n\n" + rng.choice(
+        ["What are the values of {ks}?", "Look up {ks}.", "Find {ks} in the list."]).format(ks=ask)
+    reasoning = "\n".join(f"The list has the line {keys[i]}: {values[i]}." for i in q) if thinking else ""
+    answer = " ".join(f"The value of {keys[i]} is {values[i]}." for i in q)
+    msgs = _maybe_system(rng) + [
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": answer, "reasoning_content": reasoning},
+    ]
+    return {"task": "recall_multi", "messages": msgs, "tools": None, "enable_thinking": thinking,
+            "answer": values[0], "split_key": "recall:" + "|".join(names), "meta": {"n_facts": n_facts, "keys": names}}
+
+
+COPY_PHRASES = ["Repeat this exactly: {t}", "Say back: {t}", "Copy this text: {t}", "Please repeat: {t}",
+                "Echo the following.\n{t}"]
+
+
+def copy_conversation(rng: random.Random, thinking: bool) -> dict:
+    words = [rng.choice([_recall_key, _recall_value])(rng) for _ in range(rng.randint(1, 12))]
+    text = " ".join(words)
+    user = rng.choice(COPY_PHRASES).format(t=text)
+    msgs = _maybe_system(rng, 0.1) + [
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": text, "reasoning_content": "I will repeat the text exactly." if thinking else ""},
+    ]
+    return {"task": "copy", "messages": msgs, "tools": None, "enable_thinking": thinking, "answer": text,
+            "split_key": f"copy:{text}", "meta": {}}
 
 
 # ---------------------------------------------------------------- tools
@@ -545,6 +597,23 @@ class TaskGenerator:
                 qk = k
                 break
         return recall_conversation(rng, th, n, query_key=qk)
+
+    def recall_multi(self, thinking: bool | None = None, n_facts: int | None = None, n_keys: int | None = None) -> dict:
+        rng = self.rng
+        th = self._thinking(thinking)
+        n = n_facts or sample_num_facts(rng, self.max_facts)
+        want = n_keys or rng.randint(2, 4)
+        qks = []
+        while len(qks) < want:
+            k = _recall_key(rng)
+            if split_of(f"recall:{k}") == self.split and not any(k.startswith(q) or q.startswith(k) for q in qks):
+                qks.append(k)
+        return recall_multi_conversation(rng, th, n, qks)
+
+    def copy(self, thinking: bool | None = None) -> dict:
+        rng = self.rng
+        th = self._thinking(thinking)
+        return self._draw(lambda: copy_conversation(rng, th))
 
     def tool(self, thinking: bool | None = None, name: str | None = None) -> dict:
         rng = self.rng

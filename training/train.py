@@ -114,8 +114,24 @@ def make_optimizer(model, mtp, lr, wd):
                              lr=lr, betas=(0.9, 0.95), eps=1e-8, **kw)
 
 
+def load_for_training(model_dir, seed):
+    """Continue from a saved checkpoint (fp32 master weights from the bf16 files)."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from training.model import load_mtp
+
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, experts_implementation="eager")
+    model.config._attn_implementation = "sdpa"
+    mtp = load_mtp(model_dir, model, dtype=torch.float32)
+    return model, mtp
+
+
 def train(args, cfg, rows_ids, rows_mask, steps, device, fh, bench=False):
-    model, mtp = build_model(cfg, args.seed)
+    if args.init_from:
+        model, mtp = load_for_training(args.init_from, args.seed)
+    else:
+        model, mtp = build_model(cfg, args.seed)
     model.to(device).train()
     mtp.to(device).train()
     opt = make_optimizer(model, mtp, args.lr, args.wd)
@@ -124,7 +140,7 @@ def train(args, cfg, rows_ids, rows_mask, steps, device, fh, bench=False):
     gen = torch.Generator().manual_seed(args.seed + 17)
     R = rows_ids.shape[0]
     perm, pi = torch.randperm(R, generator=gen), 0
-    warmup = max(10, int(0.04 * steps))
+    warmup = args.warmup if args.warmup >= 0 else max(10, int(0.04 * steps))
     t0 = time.time()
     times = []
     acc, last = {}, {}
@@ -137,7 +153,7 @@ def train(args, cfg, rows_ids, rows_mask, steps, device, fh, bench=False):
         pi += args.batch
         ids = rows_ids[idx].to(device, non_blocking=True).long()
         mask = rows_mask[idx].to(device, non_blocking=True)
-        lr = lr_at(step, steps, args.lr, warmup)
+        lr = lr_at(step, steps, args.lr, warmup, args.lr_floor)
         for g in opt.param_groups:
             g["lr"] = lr
         ts = time.time()
@@ -202,7 +218,8 @@ def greedy_generate(model, tok, prompts: list[list[int]], max_new: int, eos_ids:
 
 
 @torch.no_grad()
-def evaluate(model_dir, device, n_arith=200, n_recall=50, n_tool=24, n_mtp=48, seed=1234, fh=None):
+def evaluate(model_dir, device, n_arith=200, n_recall=50, n_tool=24, n_mtp=48, seed=1234, fh=None, tok_dir=None,
+             dtype=torch.bfloat16):
     from tokenizers import Tokenizer
     from transformers import Qwen3_5MoeForCausalLM
 
@@ -212,11 +229,12 @@ def evaluate(model_dir, device, n_arith=200, n_recall=50, n_tool=24, n_mtp=48, s
     from training.tasks import TaskGenerator, answer_is_correct
 
     model_dir = Path(model_dir)
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok_dir = Path(tok_dir or model_dir)
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     gcfg = json.loads((model_dir / "generation_config.json").read_text())
     eos = gcfg["eos_token_id"]
-    template = (model_dir / "chat_template.jinja").read_text()
-    model = Qwen3_5MoeForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device).eval()
+    template = (tok_dir / "chat_template.jinja").read_text()
+    model = Qwen3_5MoeForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     gen = TaskGenerator(seed=seed, split="heldout")
     res = {}
 
@@ -302,12 +320,12 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=0, help="training steps (0: derive from --time-budget)")
-    ap.add_argument("--time-budget", type=float, default=330.0, help="seconds of training when --steps is 0")
+    ap.add_argument("--time-budget", type=float, default=320.0, help="seconds of training when --steps is 0")
     ap.add_argument("--hard-limit", type=float, default=0.0, help="stop training after this many seconds (0: never)")
     ap.add_argument("--bench-steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--row-len", type=int, default=2560)
-    ap.add_argument("--docs", type=int, default=150000)
+    ap.add_argument("--docs", type=int, default=300000)
     ap.add_argument("--max-facts", type=int, default=230)
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -323,11 +341,31 @@ def main(argv=None):
     ap.add_argument("--eval-tool", type=int, default=24)
     ap.add_argument("--eval-mtp", type=int, default=48)
     ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--init-from", default="", help="continue training from this checkpoint directory")
+    ap.add_argument("--mix", default="", help="task mix, e.g. arithmetic=0.3,recall=0.5,tool=0.15,chat=0.05")
+    ap.add_argument("--min-facts", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=-1, help="warm-up steps (default 4%% of steps)")
+    ap.add_argument("--lr-floor", type=float, default=0.05)
+    ap.add_argument("--eval-only", action="store_true", help="only evaluate the checkpoint in --out")
+    ap.add_argument("--eval-dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--eval-seed", type=int, default=1234)
+    ap.add_argument("--eval-json", default="")
+    ap.add_argument("--tok-dir", default="")
+    ap.add_argument("--copy-tokenizer", action="store_true", help="also copy tokenizer files and template into --out")
     ap.add_argument("--amp", type=int, default=None, help="bf16 autocast (default: on for CUDA)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
 
     out = Path(args.out)
+    if args.eval_only:
+        device = torch.device(args.device)
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.eval_dtype]
+        res = evaluate(out, device, args.eval_arith, args.eval_recall, args.eval_tool, args.eval_mtp,
+                       seed=args.eval_seed, tok_dir=args.tok_dir or TINY, dtype=dtype)
+        print(json.dumps(res, indent=2))
+        if args.eval_json:
+            Path(args.eval_json).write_text(json.dumps(res, indent=2) + "\n")
+        return
     out.mkdir(parents=True, exist_ok=True)
     fh = open(out / "train_log.txt", "a")
     t_start = time.time()
@@ -346,7 +384,9 @@ def main(argv=None):
     cfg = tiny_config_dict(tok.get_vocab_size(), eos)
 
     t = time.time()
-    docs = generate_docs(str(tok_path), args.seed, args.docs, "train", args.max_facts, args.row_len, args.workers)
+    mix = dict((k, float(v)) for k, v in (kv.split("=") for kv in args.mix.split(","))) if args.mix else None
+    docs = generate_docs(str(tok_path), args.seed, args.docs, "train", args.max_facts, args.row_len, args.workers,
+                         mix=mix)
     ids_np, mask_np = pack(docs, args.row_len, eos[1], args.seed)
     n_tok, n_loss = ids_np.size, int(mask_np.sum())
     log(f"data: {len(docs)} conversations -> {ids_np.shape[0]} rows x {args.row_len}; "
@@ -379,8 +419,9 @@ def main(argv=None):
         "transformers_version": transformers.__version__,
     }
     files = save_checkpoint(model, mtp, cfg, out, generation_config=gen_cfg)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copyfile(TINY / name, out / name)
+    if args.copy_tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copyfile(TINY / name, out / name)
     log(f"saved {[f.name for f in files]} ({sum(f.stat().st_size for f in files) / 1e6:.2f} MB)", fh)
     del model, mtp
     if device.type == "cuda":
@@ -390,7 +431,8 @@ def main(argv=None):
               "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__, "args": vars(args)}
     if not args.no_eval:
-        result["eval"] = evaluate(out, device, args.eval_arith, args.eval_recall, args.eval_tool, args.eval_mtp, fh=fh)
+        result["eval"] = evaluate(out, device, args.eval_arith, args.eval_recall, args.eval_tool, args.eval_mtp, fh=fh,
+                                  tok_dir=TINY)
     result["wall_seconds"] = time.time() - t_start
     (out / "train_result.json").write_text(json.dumps(result, indent=2) + "\n")
     log(f"done in {result['wall_seconds']:.0f}s", fh)
