@@ -22,7 +22,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = ServerProcess([*model_args(tmp_path_factory), "--served-model-name", "tiny", "--max-model-len", str(MAX_MODEL_LEN),
-                         "--max-num-seqs", "8"])
+                         "--max-num-seqs", "8", "--mtp", "2"])
     yield srv
     srv.stop()
 
@@ -112,6 +112,9 @@ def test_reference_suite_json_table_and_plot(server, reference_run, capsys):
             check_stats(s["decode_tok_s"], 2)
         assert sum(s["token_counts"].values()) == 2
     assert (out / "r.png").read_bytes()[:8] == PNG_MAGIC
+    spec = result["speculative"]  # the server runs MTP-2: its acceptance is read from /metrics
+    assert len(spec["acceptance_by_position"]) == 2 and all(0 <= r <= 1 for r in spec["acceptance_by_position"])
+    assert 1 <= spec["mean_accepted_length"] <= 3
 
 
 def test_reference_table_is_printed(server, tmp_path, capsys):

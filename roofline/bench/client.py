@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import ssl
 import time
@@ -152,8 +153,7 @@ class Client:
             return RequestFailed(status, f"the server refused the API key ({message}); pass --api-key", code)
         return RequestFailed(status, message, code)
 
-    def get_json(self, path: str) -> dict | None:
-        """GET a JSON route; None when the server does not have it (404 and other errors)."""
+    def _get(self, path: str) -> tuple[int, bytes]:
         conn = self._connect()
         try:
             conn.request("GET", self.prefix + path, headers=self._headers())
@@ -165,12 +165,33 @@ class Client:
             conn.close()
         if resp.status == 401:
             raise UserError(str(self._fail(resp.status, body).message))
-        if resp.status != 200:
+        return resp.status, body
+
+    def get_json(self, path: str) -> dict | None:
+        """GET a JSON route; None when the server does not have it (404 and other errors)."""
+        status, body = self._get(path)
+        if status != 200:
             return None
         try:
             return json.loads(body)
         except json.JSONDecodeError:
             return None
+
+    def speculative_stats(self) -> dict | None:
+        """MTP acceptance per draft position and tokens per verify step from roofline's /metrics (None elsewhere)."""
+        status, body = self._get("/metrics")
+        if status != 200:
+            return None
+        rates, mean = {}, None
+        for line in body.decode(errors="replace").splitlines():
+            match = re.match(r'roofline_spec_decode_acceptance_rate\{.*position="(\d+)".*\} (\S+)$', line)
+            if match:
+                rates[int(match.group(1))] = float(match.group(2))
+            elif line.startswith("roofline_spec_decode_mean_accepted_length{"):
+                mean = float(line.rsplit(" ", 1)[1])
+        if not rates:
+            return None
+        return {"acceptance_by_position": [rates[p] for p in sorted(rates)], "mean_accepted_length": mean}
 
     # -- discovery -------------------------------------------------------------------------
     def discover(self, model: str | None) -> str | None:

@@ -129,6 +129,12 @@ def cmd_serve(args) -> int:
             progress.close()
             result["notes"] = bench.notes
             print(render_suite(result, name), flush=True)
+        result["speculative"] = client.speculative_stats()
+        if result["speculative"]:
+            spec = result["speculative"]
+            print(f"MTP speculation (server totals): acceptance by draft position "
+                  f"{', '.join(f'{r:.2f}' for r in spec['acceptance_by_position'])}; "
+                  f"{spec['mean_accepted_length']:.2f} tokens per verify step")
         result["complete"] = True
     except (UserError, KeyboardInterrupt) as exc:
         progress.close()
