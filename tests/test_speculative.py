@@ -11,7 +11,7 @@ from roofline.commands.flags import parse_speculative_config
 from roofline.engine.cache import SequenceCache
 from roofline.engine.engine import Engine
 from roofline.engine.sampling import SamplingParams
-from roofline.engine.speculative import SpeculativeConfig
+from roofline.engine.speculative import DraftLengthChooser, SpeculativeConfig
 from roofline.errors import UserError
 from tiny_checkpoints import reference_model, text_config, write_variant
 
@@ -51,6 +51,29 @@ def test_greedy_output_identical_with_speculation(checkpoint, k):
     single = [run_all(engine_for(checkpoint, k), [p], params)[0][0] for p in PROMPTS[:1]]
     assert single == want[:1]
     assert sum(engine.speculator.drafted) > 0
+
+
+def test_auto_draft_length_explores_then_keeps_identical_output(checkpoint):
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    want, _ = run_all(engine_for(checkpoint), PROMPTS, params)
+    model, _ = load_model(checkpoint, "cpu", torch.float32)
+    engine = Engine(model, None, checkpoint, speculative=SpeculativeConfig(4, auto=True))
+    got, _ = run_all(engine, PROMPTS, params)
+    assert got == want
+    chooser = engine.speculator.chooser
+    assert all(len(times) >= chooser.explore_steps for times in chooser.seconds.values()), "every k was tried"
+    assert 1 <= engine.speculator.k <= 4
+
+
+def test_draft_length_chooser_maximises_expected_tokens_per_second():
+    chooser = DraftLengthChooser(4, explore_steps=1)
+    for k, seconds in {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}.items():
+        assert chooser.next_k([0.0] * 4) == k  # exploring in order
+        chooser.record(k, seconds)
+    # tokens per second: k=1 1.95, k=2 2.50, k=3 2.38, k=4 2.23
+    assert chooser.next_k([0.95, 0.80, 0.10, 0.05]) == 2
+    # cheaper long steps or better late acceptance move the choice
+    assert chooser.best([0.95, 0.9, 0.9, 0.9]) == 4
 
 
 def test_logprobs_equal_with_speculation(checkpoint):
@@ -112,6 +135,7 @@ def test_speculative_flags():
         parse(speculative_config="{\u201cmethod\u201d:\u201cmtp\u201d,\u201cnum_speculative_tokens\u201d:2}")
     with pytest.raises(UserError, match="1 to 4"):
         parse(speculative_config='{"method":"mtp","num_speculative_tokens":9}')
+    assert parse(speculative_config='{"method":"mtp","num_speculative_tokens":"auto"}') == SpeculativeConfig(4, auto=True)
     with pytest.raises(UserError, match="not both"):
         parse(mtp=2, speculative_config='{"method":"mtp"}')
     assert parse(speculative_config='{"method":"mtp","num_speculative_tokens":3}') == SpeculativeConfig(3)

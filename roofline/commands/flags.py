@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..engine.speculative import MTP_METHODS, SpeculativeConfig
+from ..engine.speculative import MAX_DRAFT_TOKENS, MTP_METHODS, SpeculativeConfig
 from ..errors import UserError
 
 # Typographic quotes pasted from forums and chat apps -> the straight ones JSON needs.
@@ -55,8 +55,10 @@ def _speculative(flag: str, config: dict) -> SpeculativeConfig:
     if method not in MTP_METHODS:
         raise UserError(f"{flag}: method {method!r} is not supported; roofline knows \"mtp\" (aliases: {', '.join(MTP_METHODS[1:])})")
     k = config.get("num_speculative_tokens", 1)
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 4:
-        raise UserError(f"{flag}: num_speculative_tokens must be an integer from 1 to 4, got {k!r}")
+    if k == "auto":
+        return SpeculativeConfig(MAX_DRAFT_TOKENS, auto=True)
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise UserError(f"{flag}: num_speculative_tokens must be an integer from 1 to {MAX_DRAFT_TOKENS} or \"auto\", got {k!r}")
     unknown = sorted(set(config) - {"method", "num_speculative_tokens", "model"})
     if unknown:
         raise UserError(f"{flag}: unknown key(s) {', '.join(unknown)}; roofline reads method and num_speculative_tokens")

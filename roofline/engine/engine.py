@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,7 +158,7 @@ class Engine:
 
     def _can_speculate(self, seq: Sequence) -> bool:
         room = self.max_model_len - len(seq.prompt_ids) - len(seq.output_ids)
-        return seq.draft is not None and bool(seq.draft.pending_tokens) and room > self.speculator.k
+        return seq.draft is not None and bool(seq.draft.pending_tokens) and room > self.speculator.k_max
 
     def _plain_step(self, active: list[Sequence]) -> list[tuple[Sequence, TokenEvent]]:
         pending = [s.pending_ids for s in active]
@@ -180,6 +181,8 @@ class Engine:
         return self._retire(events)
 
     def _speculative_step(self, active: list[Sequence]) -> list[tuple[Sequence, TokenEvent]]:
+        start = time.perf_counter()
+        self.speculator.begin_step()
         params = [s.params for s in active]
         histories = [s.prompt_ids + s.output_ids for s in active]
         prompt_lens = [len(s.prompt_ids) for s in active]
@@ -195,6 +198,7 @@ class Engine:
                 events.append((seq, self._append(seq, token, logprob, top)))
                 if seq.finish_reason:
                     break  # tokens after a stop are dropped; the sequence leaves with its caches
+        self.speculator.end_step(time.perf_counter() - start)  # the verify results were read: the device is done
         return self._retire(events)
 
     def _retire(self, events):

@@ -30,9 +30,48 @@ from .sampling import Sampler, top_logprobs
 MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp", "deepseek_mtp")  # names vLLM accepts for this
 
 
+MAX_DRAFT_TOKENS = 4
+
+
 @dataclass
 class SpeculativeConfig:
-    num_speculative_tokens: int = 2
+    num_speculative_tokens: int = 2  # with `auto`, the most drafts the chooser may use
+    auto: bool = False  # choose k from measured acceptance and step time
+
+
+class DraftLengthChooser:
+    """`num_speculative_tokens: "auto"`: pick k maximising expected tokens per second.
+
+    Expected tokens of a step with k drafts is 1 + r_1 + ... + r_k, where r_j is the measured
+    rate at which draft position j is accepted (all earlier drafts accepted too); its cost is
+    the measured wall time of a draft + verify step with k drafts. Every k is tried
+    `explore_steps` times first, and again every `refresh_steps` steps, since acceptance
+    drifts with the text and step time with the batch.
+    """
+
+    def __init__(self, k_max: int, explore_steps: int = 4, refresh_steps: int = 256):
+        self.k_max, self.explore_steps, self.refresh_steps = k_max, explore_steps, refresh_steps
+        self.seconds: dict[int, list[float]] = {k: [] for k in range(1, k_max + 1)}
+        self.steps = 0
+
+    def next_k(self, acceptance: list[float]) -> int:
+        if self.steps % self.refresh_steps == 0 and self.steps:
+            self.seconds = {k: times[-1:] for k, times in self.seconds.items()}
+        for k, times in self.seconds.items():
+            if len(times) < self.explore_steps:
+                return k
+        return self.best(acceptance)
+
+    def best(self, acceptance: list[float]) -> int:
+        def rate(k: int) -> float:
+            times = sorted(self.seconds[k])
+            return (1 + sum(acceptance[:k])) / times[len(times) // 2]
+
+        return max(self.seconds, key=rate)
+
+    def record(self, k: int, seconds: float) -> None:
+        self.steps += 1
+        self.seconds[k] = (self.seconds[k] + [seconds])[-16:]
 
 
 @dataclass
@@ -57,10 +96,13 @@ class MtpSpeculator:
     def __init__(self, model, sampler: Sampler, config: SpeculativeConfig):
         if model.mtp is None:
             raise UserError("speculative decoding needs the checkpoint's MTP head (mtp.* tensors), and this checkpoint has none")
-        self.model, self.sampler, self.k = model, sampler, config.num_speculative_tokens
-        # acceptance statistics by draft position, for /metrics and benchmarks
-        self.drafted = [0] * self.k
-        self.accepted = [0] * self.k
+        self.model, self.sampler = model, sampler
+        self.k_max = config.num_speculative_tokens
+        self.k = self.k_max  # drafts in the current step (varies only with `auto`)
+        self.chooser = DraftLengthChooser(self.k_max) if config.auto else None
+        # acceptance statistics by draft position, for /metrics, benchmarks and the chooser
+        self.drafted = [0] * self.k_max
+        self.accepted = [0] * self.k_max
 
     def extend(self, state: DraftState, hidden: torch.Tensor, input_ids: list[int], next_token: int) -> None:
         """After a plain forward over `input_ids`: pair each position's hidden state with the token after it."""
@@ -70,6 +112,14 @@ class MtpSpeculator:
         else:
             state.pending_hidden = torch.cat([state.pending_hidden, hidden])
             state.pending_tokens = state.pending_tokens + tokens
+
+    def begin_step(self) -> None:
+        if self.chooser:
+            self.k = self.chooser.next_k(self.acceptance_rates())
+
+    def end_step(self, seconds: float) -> None:
+        if self.chooser:
+            self.chooser.record(self.k, seconds)
 
     def draft(self, states: list[DraftState], params, histories, prompt_lens, generators):
         """k draft tokens and their draft distributions q per sequence."""

@@ -111,7 +111,7 @@ class Metrics:
                 metric(name, "gauge", help, [("", g[name])])
         if self.speculator is not None:
             spec = self.speculator
-            positions = [f'position="{j + 1}"' for j in range(spec.k)]
+            positions = [f'position="{j + 1}"' for j in range(len(spec.drafted))]
             metric("roofline_spec_decode_draft_tokens_total", "counter", "MTP draft tokens proposed, by draft position.",
                    list(zip(positions, spec.drafted)))
             metric("roofline_spec_decode_accepted_tokens_total", "counter", "MTP draft tokens accepted, by draft position.",
