@@ -41,6 +41,17 @@ def counters_for(user: str, size: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
+MAX_ROWS = 4  # decode kernels read each weight tile once for up to this many rows
+
+
+def decode_rows(x: torch.Tensor, k: int, kernel: str) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """x [..., K] -> (contiguous [M, K], leading shape); M must be 1..MAX_ROWS."""
+    x2 = x.reshape(-1, k).contiguous()
+    if not 1 <= x2.shape[0] <= MAX_ROWS:
+        raise ValueError(f"{kernel} is a decode kernel for 1..{MAX_ROWS} rows, got {x2.shape[0]}")
+    return x2, x.shape[:-1]
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

@@ -24,7 +24,7 @@ from ..quant.int8 import Int8RowWeight
 
 log = logging.getLogger("roofline.kernels")
 
-MAX_DECODE_ROWS = 4  # the kernels read each weight tile once for up to this many rows
+MAX_DECODE_ROWS = 4  # = kernels._common.MAX_ROWS (not imported here: that module needs Triton)
 MAX_EXPERT_TOKENS = 16  # beyond this (prefill) the reference loop over experts is used
 
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, arrive, counters_for, next_pow2, reset, sum_splits
+from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, reset, sum_splits
 from .int4_gemv import _sm_count
 
 
@@ -77,11 +77,8 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
                config: dict | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T for x [..., K] with 1..4 rows, W block FP8 [N, K] with scale_inv per (bn, bk) block."""
     n, k = weight.shape
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).contiguous()
+    x2, lead = decode_rows(x, k, "fp8_matmul")
     m = x2.shape[0]
-    if not 1 <= m <= 4:
-        raise ValueError(f"fp8_matmul is a decode kernel for 1..4 rows, got {m}")
     cfg = default_config(m)
     cfg.update(config or {})
     bn_s, bk_s = block

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..quant.int4 import unpack_cols, unpack_rows
-from ._common import INTERPRET, arrive, counters_for, next_pow2, reset, sum_splits
+from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, reset, sum_splits
 
 
 def int4_matmul_reference(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128) -> torch.Tensor:
@@ -298,11 +298,8 @@ def int4_matmul(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128,
     """y = x @ W^T for x [..., K] with at most 4 rows, W in the GPTQ layout; y in x's dtype."""
     k = qweight.shape[0] * 8
     n = qweight.shape[1]
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).contiguous()
+    x2, lead = decode_rows(x, k, "int4_matmul")
     m = x2.shape[0]
-    if not 1 <= m <= 4:
-        raise ValueError(f"int4_matmul is a decode kernel for 1..4 rows, got {m}")
     if k % group_size or n % 8:
         raise ValueError(f"INT4 [{n}, {k}]: K must be divisible by the group size {group_size}, N by 8")
     if sym is None:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET
+from ._common import INTERPRET, decode_rows
 
 
 def int8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype=None) -> torch.Tensor:
@@ -84,11 +84,8 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, o
                 config: dict | None = None) -> torch.Tensor:
     """logits = (x @ q^T) * scale for x [..., H] with 1..4 rows, q int8 [V, H], scale [V] or [V, 1]."""
     v, h = weight.shape
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, h).contiguous()
+    x2, lead = decode_rows(x, h, "int8_matmul")
     m = x2.shape[0]
-    if not 1 <= m <= 4:
-        raise ValueError(f"int8_matmul reads each weight tile once for 1..4 rows, got {m}")
     cfg = default_config(m)
     cfg.update(config or {})
     if out is None:
