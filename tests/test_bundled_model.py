@@ -109,3 +109,17 @@ def test_quantized_build_within_two_points(quantized_engine, tasks, bf16_scores)
     assert bf16_scores["arithmetic"] > 0.5, "the comparison needs a model that answers"
     for task in scores:
         assert scores[task] >= bf16_scores[task] - 0.02, (task, scores, bf16_scores)
+
+
+def test_int8_lm_head_at_load_keeps_answers(engine):
+    """The load-time INT8 LM head (the CUDA default) against the stored head."""
+    from roofline.engine.cache import SequenceCache
+    from roofline.quant.int8 import Int8RowWeight
+
+    int8 = Engine.from_pretrained(None, device="cpu", dtype="float32", int8_lm_head=True)
+    assert isinstance(int8.model.lm_head, Int8RowWeight)
+    ids = torch.tensor(engine.tokenizer.encode("<|im_start|>user\nWhat is 38 + 45?<|im_end|>\n<|im_start|>assistant\n"))
+    want = engine.model.logits(engine.model(ids, [len(ids)], [SequenceCache()]))
+    got = int8.model.logits(int8.model(ids, [len(ids)], [SequenceCache()]))
+    assert (got - want).abs().max() / want.abs().max() < 2e-2
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -35,6 +35,16 @@ def parse_json_flag(flag: str, value: str) -> dict:
     return parsed
 
 
+def add_lm_head_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-int8-lm-head", action="store_true",
+                   help="keep the LM head as the checkpoint stores it (default on CUDA: quantised to INT8 per row at load)")
+
+
+def int8_lm_head(args: argparse.Namespace) -> bool | None:
+    """None lets the engine decide by device (INT8 on CUDA)."""
+    return False if args.no_int8_lm_head else None
+
+
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, help=f"MTP speculative decoding, as vLLM: {_EXAMPLE}")
     p.add_argument("--mtp", type=int, default=None, metavar="K", help="shorthand for --speculative-config with K draft tokens (1-4)")

@@ -18,6 +18,7 @@ import torch
 from ..checkpoint import load_model
 from ..hub import resolve_model
 from ..kernels.dispatch import install_fast_path
+from ..quant.int8 import quantize_lm_head_int8
 from ..model import Qwen35ForCausalLM
 from .cache import SequenceCache
 from .sampling import Sampler, SamplingParams, make_generator
@@ -91,11 +92,18 @@ class Engine:
         max_model_len: int | None = None,
         speculative: SpeculativeConfig | None = None,
         fast_path: bool = True,
+        int8_lm_head: bool | None = None,
     ) -> "Engine":
         model_dir = resolve_model(model)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         net, _ = load_model(model_dir, device, torch_dtype)
+        if int8_lm_head is None:
+            int8_lm_head = device.startswith("cuda")  # the CPU path stays the unquantised oracle
+        if int8_lm_head:
+            quantize_lm_head_int8(net)
+        else:
+            log.info("LM head kept as stored (%s)", net.lm_head.FORMAT)
         if fast_path:
             install_fast_path(net)
         else:
