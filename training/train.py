@@ -182,6 +182,9 @@ def train(args, cfg, rows_ids, rows_mask, steps, device, fh, bench=False):
             log(f"step {step + 1}/{steps} lr {lr:.2e} {msg} gnorm {float(gn):.2f} elapsed {time.time() - t0:.0f}s", fh)
             last = {k: v / n for k, v in acc.items()}
             acc = {}
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < steps:
+            save_checkpoint(model, mtp, cfg, args.out, generation_config=generation_config(args.eos_ids))
+            log(f"checkpoint saved at step {step + 1}", fh)
         if args.hard_limit and time.time() - t0 > args.hard_limit:
             log(f"hard time limit reached at step {step + 1}; stopping early", fh)
             break
@@ -192,28 +195,36 @@ def train(args, cfg, rows_ids, rows_mask, steps, device, fh, bench=False):
     return model, mtp, {"steps_done": step + 1, "train_seconds": time.time() - t0, "final_losses": last}
 
 
+def generation_config(eos):
+    """eos = [<|im_end|>, <|endoftext|>] ids; greedy by default."""
+    import transformers
+
+    return {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": eos[1], "do_sample": False,
+            "max_new_tokens": 512, "transformers_version": transformers.__version__}
+
+
 # --------------------------------------------------------------------------- eval
 
 
 @torch.no_grad()
 def greedy_generate(model, tok, prompts: list[list[int]], max_new: int, eos_ids: list[int], batch: int = 64):
-    """Greedy continuation of each prompt, batching prompts of equal length (no padding)."""
+    """Greedy continuation of each prompt with transformers' generate, in left-padded batches of
+    similar length (checked on CPU to give the same tokens as one prompt at a time)."""
     out = [None] * len(prompts)
-    groups = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(len(p), []).append(i)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     dev = next(model.parameters()).device
-    for _, idxs in sorted(groups.items()):
-        for s in range(0, len(idxs), batch):
-            chunk = idxs[s: s + batch]
-            x = torch.tensor([prompts[i] for i in chunk], device=dev)
-            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                               do_sample=False, eos_token_id=eos_ids, pad_token_id=eos_ids[-1])
-            for j, i in enumerate(chunk):
-                new = y[j, x.shape[1]:].tolist()
-                cut = [k for k, t in enumerate(new) if t in eos_ids]
-                new = new[: cut[0] + 1] if cut else new
-                out[i] = new
+    pad = eos_ids[-1]
+    for s in range(0, len(order), batch):
+        chunk = order[s: s + batch]
+        width = max(len(prompts[i]) for i in chunk)
+        x = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in chunk], device=dev)
+        am = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in chunk], device=dev)
+        y = model.generate(input_ids=x, attention_mask=am, max_new_tokens=max_new, do_sample=False,
+                           eos_token_id=eos_ids, pad_token_id=pad)
+        for j, i in enumerate(chunk):
+            new = y[j, width:].tolist()
+            cut = [k for k, t in enumerate(new) if t in eos_ids]
+            out[i] = new[: cut[0] + 1] if cut else new
     return out
 
 
@@ -341,6 +352,7 @@ def main(argv=None):
     ap.add_argument("--eval-tool", type=int, default=24)
     ap.add_argument("--eval-mtp", type=int, default=48)
     ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--save-every", type=int, default=0, help="also save the checkpoint every N steps")
     ap.add_argument("--init-from", default="", help="continue training from this checkpoint directory")
     ap.add_argument("--mix", default="", help="task mix, e.g. arithmetic=0.3,recall=0.5,tool=0.15,chat=0.05")
     ap.add_argument("--min-facts", type=int, default=2)
@@ -382,6 +394,7 @@ def main(argv=None):
     tok = Tokenizer.from_file(str(tok_path))
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
     cfg = tiny_config_dict(tok.get_vocab_size(), eos)
+    args.eos_ids = eos
 
     t = time.time()
     mix = dict((k, float(v)) for k, v in (kv.split("=") for kv in args.mix.split(","))) if args.mix else None
@@ -410,15 +423,7 @@ def main(argv=None):
     info["tokens_seen"] = info["steps_done"] * args.batch * args.row_len
     log(f"trained {info['steps_done']} steps in {info['train_seconds']:.0f}s; final losses {info['final_losses']}", fh)
 
-    gen_cfg = {
-        "bos_token_id": None,
-        "eos_token_id": eos,
-        "pad_token_id": eos[1],
-        "do_sample": False,
-        "max_new_tokens": 512,
-        "transformers_version": transformers.__version__,
-    }
-    files = save_checkpoint(model, mtp, cfg, out, generation_config=gen_cfg)
+    files = save_checkpoint(model, mtp, cfg, out, generation_config=generation_config(args.eos_ids))
     if args.copy_tokenizer:
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             shutil.copyfile(TINY / name, out / name)
