@@ -102,7 +102,8 @@ def test_rollback_leaves_the_caches_of_never_seeing_rejected_tokens(checkpoint):
         a, b = getattr(spec, name), getattr(clean, name)
         assert a.keys() == b.keys()
         for layer in a:
-            assert torch.allclose(a[layer], b[layer], atol=1e-6), (name, layer)
+            # equal up to fp32 rounding: the two runs multiply matrices of different row counts
+            assert torch.allclose(a[layer], b[layer], rtol=1e-4, atol=1e-5), (name, layer)
     # and decoding on from both gives the same logits
     nxt = torch.tensor([11])
     assert torch.allclose(model.logits(model(nxt, [1], [spec])), model.logits(model(nxt, [1], [clean])), atol=1e-5)

@@ -36,34 +36,36 @@ def _fmt(name: str, dtype: torch.dtype, siblings: dict[str, TensorInfo]) -> str:
     return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
 
 
-def random_tensor(name: str, dtype: torch.dtype, shape: tuple[int, ...], seed: int, in_features: int | None) -> torch.Tensor:
-    """A deterministic random tensor for `name` (same seed, same values, whatever the order)."""
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+def random_tensor(name: str, dtype: torch.dtype, shape: tuple[int, ...], seed: int, in_features: int | None,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """A deterministic random tensor for `name` (same seed and device, same values, whatever the order)."""
+    gen = torch.Generator(device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    kw = {"generator": gen, "device": device}
     suffix = name.rsplit(".", 1)[-1]
     scale = (in_features or shape[-1]) ** -0.5
     if suffix == "qweight":
-        return torch.randint(-2**31, 2**31 - 1, shape, generator=gen, dtype=torch.int64).to(torch.int32)
+        return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int64, **kw).to(torch.int32)
     if suffix == "qzeros":
-        return torch.full(shape, 0x77777777, dtype=torch.int32)  # symmetric: every zero nibble 7 (real zero 8)
+        return torch.full(shape, 0x77777777, dtype=torch.int32, device=device)  # symmetric: every zero nibble 7 (real zero 8)
     if suffix == "scales":
-        return torch.full(shape, scale / 4.6, dtype=dtype)  # uniform nibbles -8..7 have std ~4.6
+        return torch.full(shape, scale / 4.6, dtype=dtype, device=device)  # uniform nibbles -8..7 have std ~4.6
     if suffix == "weight_scale_inv":
-        return torch.full(shape, scale, dtype=dtype)
+        return torch.full(shape, scale, dtype=dtype, device=device)
     if suffix == "weight_scale":
-        return torch.full(shape, scale / 73.0, dtype=dtype)  # uniform -127..127 has std ~73
+        return torch.full(shape, scale / 73.0, dtype=dtype, device=device)  # uniform -127..127 has std ~73
     if dtype == torch.int8:
-        return torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
+        return torch.randint(-127, 128, shape, dtype=torch.int8, **kw)
     if dtype == torch.float8_e4m3fn:
-        return torch.randn(shape, generator=gen).clamp(-448, 448).to(dtype)
+        return torch.randn(shape, **kw).clamp(-448, 448).to(dtype)
     if name.endswith("A_log"):
-        return torch.empty(shape, dtype=dtype).uniform_(-1, 1, generator=gen)
+        return torch.empty(shape, dtype=dtype, device=device).uniform_(-1, 1, generator=gen)
     if name.endswith("linear_attn.norm.weight"):  # plain w (not 1 + w)
-        return torch.randn(shape, generator=gen, dtype=dtype).mul_(0.1).add_(1)
+        return torch.randn(shape, dtype=dtype, **kw).mul_(0.1).add_(1)
     if "norm" in name or name.endswith(("dt_bias", "conv1d.weight")):
-        return torch.randn(shape, generator=gen, dtype=dtype).mul_(0.1)
+        return torch.randn(shape, dtype=dtype, **kw).mul_(0.1)
     if name.endswith("embed_tokens.weight"):
-        return torch.randn(shape, generator=gen, dtype=dtype)
-    return torch.randn(shape, generator=gen, dtype=dtype).mul_(scale)  # generated in place: one tensor of memory
+        return torch.randn(shape, dtype=dtype, **kw)
+    return torch.randn(shape, dtype=dtype, **kw).mul_(scale)  # generated in place: one tensor of memory
 
 
 def random_plan(shape: str, formats: dict[str, str], layers: int | None = None, seed: int = 0,

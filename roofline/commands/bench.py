@@ -1,5 +1,5 @@
 """`roofline bench ...`: benchmarks. Each subcommand is one `add_<name>(sub)` function below,
-listed in SUBCOMMANDS; a new one (e.g. `bench synthetic`) adds its function to that list."""
+listed in SUBCOMMANDS."""
 
 from __future__ import annotations
 
@@ -199,5 +199,56 @@ def cmd_compare(args) -> int:
     return 0
 
 
+# -- bench synthetic ----------------------------------------------------------------------
+
+def add_synthetic(sub) -> None:
+    from ..checkpoint.shapes import SHAPES
+    from .checkpoint import add_layout_args
+
+    p = sub.add_parser("synthetic", help="the engine's CUDA decode step on full-size random weights, against the ceiling",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Build a published shape with random weights directly on the GPU (no download) and "
+                                   "measure in one run: copy bandwidth, bytes per token from the engine's tensors, decode "
+                                   "tok/s at batch 1 per context and its fraction of the ceiling, step time for M = 2..4 "
+                                   "tokens per sequence (MTP verify), a breakdown by component, the MTP draft step and "
+                                   "modelled MTP-k tok/s at stated acceptance, and peak GPU memory.",
+                       epilog="example:\n  roofline bench synthetic --shape qwen3.5-122b-a10b --out r.json")
+    p.add_argument("--shape", required=True, choices=[s for s in SHAPES if s != "tiny"], help="model shape")
+    add_layout_args(p, default="hybrid")
+    p.set_defaults(lm_head="int8")  # the issue's default: public INT4 + FP8 shared experts + INT8 LM head
+    p.add_argument("--contexts", default="0,8K,32K", help="contexts to decode at, K = 1024 (default 0,8K,32K)")
+    p.add_argument("--verify-tokens", default="2,3,4", help="tokens per sequence to time against one (default 2,3,4)")
+    p.add_argument("--acceptance", default="0.95,0.80", help="stated MTP acceptance per draft position for the modelled "
+                                                             "MTP tok/s (default 0.95,0.80, as reported on the 122B)")
+    p.add_argument("--capacity", default="256K", help="tokens of KV cache preallocated for the sequence (default 256K)")
+    p.add_argument("--repeats", type=int, default=50, help="timed repeats per measurement, median reported (default 50)")
+    p.add_argument("--layers", type=int, default=None, help="only the first N layers (a quick check)")
+    p.add_argument("--out", default=None, metavar="FILE.json", help="write the result here")
+    p.set_defaults(func=cmd_synthetic)
+
+
+def cmd_synthetic(args) -> int:
+    import json
+
+    from ..bench.ceiling import parse_acceptance
+    from ..bench.suites import parse_int_list
+    from ..bench.synthetic import format_report, run_synthetic
+    from .checkpoint import layout_from_args
+
+    contexts = parse_int_list(args.contexts, "--contexts", sizes=True)
+    verify = parse_int_list(args.verify_tokens, "--verify-tokens", minimum=2)
+    capacity = parse_int_list(args.capacity, "--capacity", sizes=True, minimum=1)[0]
+    if args.repeats < 1:
+        raise UserError("--repeats must be at least 1")
+    result = run_synthetic(args.shape, layout_from_args(args), contexts, verify, args.repeats,
+                           parse_acceptance(args.acceptance), args.layers, capacity,
+                           progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    print(format_report(result))
+    return 0
+
+
 # `roofline bench <name>`: one add_<name>(sub) per subcommand.
-SUBCOMMANDS = [add_serve, add_compare]
+SUBCOMMANDS = [add_serve, add_compare, add_synthetic]

@@ -1,8 +1,10 @@
 """Per-sequence decode state: KV for full-attention layers, conv and recurrent state for GDN layers.
 
 The reference path keeps each sequence's state in its own small tensors, grown as tokens
-arrive; the fast path replaces this with preallocated slots. Layer indices are the model's
-(the MTP layer has its own `SequenceCache`).
+arrive (`SequenceCache`). The CUDA-graph path needs fixed addresses instead: a `CachePool`
+preallocates every layer's state for a number of slots, and a `SlotCache` is a sequence's
+view of one slot, so eager prefill and captured decode steps read and write the same memory.
+Layer indices are the model's (the MTP layer has its own cache and pool).
 
 Speculative decoding verifies several tokens in one step and may keep only some of them.
 With `record_steps` on, GDN layers remember their state after every token of the step, so
@@ -36,6 +38,12 @@ class SequenceCache:
         self.step_conv.clear()
         self.step_recurrent.clear()
 
+    def set_conv(self, layer: int, window: torch.Tensor) -> None:
+        self.conv[layer] = window
+
+    def set_recurrent(self, layer: int, state: torch.Tensor) -> None:
+        self.recurrent[layer] = state
+
     def append_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self.keys:
             k = torch.cat([self.keys[layer], k])
@@ -59,12 +67,100 @@ class SequenceCache:
             self.keys[layer] = self.keys[layer][:num_tokens]
             self.values[layer] = self.values[layer][:num_tokens]
         for layer, window in self.step_conv.items():
-            self.conv[layer] = window[keep : keep + self.conv[layer].shape[0]].clone()
+            self.set_conv(layer, window[keep : keep + self.conv[layer].shape[0]].clone())
         for layer, states in self.step_recurrent.items():
-            self.recurrent[layer] = states[keep - 1]
+            self.set_recurrent(layer, states[keep - 1])
         self.num_tokens = num_tokens
 
     @property
     def nbytes(self) -> int:
         tensors = [*self.keys.values(), *self.values.values(), *self.conv.values(), *self.recurrent.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class CachePool:
+    """Decode state for `num_slots` sequences, allocated once: what CUDA graphs index by slot.
+
+    keys/values [S, max_len, kv_heads, head_dim] per full-attention layer (model dtype); conv
+    [S, K-1, conv_dim] and recurrent [S, v_heads, k_dim, v_dim] fp32 per GDN layer. The last
+    slot is reserved as scratch for the padding rows of a batch bucket.
+    """
+
+    def __init__(self, cfg, layer_types: list[str], num_slots: int, max_len: int, device, dtype: torch.dtype):
+        self.max_len, self.num_slots = max_len, num_slots
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+        slots = num_slots + 1
+        for i, kind in enumerate(layer_types):
+            if kind == "full_attention":
+                shape = (slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
+                self.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
+                self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
+            else:
+                self.conv[i] = torch.zeros(slots, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim, dtype=dtype, device=device)
+                self.recurrent[i] = torch.zeros(
+                    slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                    dtype=torch.float32, device=device,
+                )
+        self.pad_slot = num_slots
+        self.free = list(range(num_slots))
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.keys.values(), *self.values.values(), *self.conv.values(), *self.recurrent.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def acquire(self, record_steps: bool = False) -> "SlotCache":
+        if not self.free:
+            raise RuntimeError(f"all {self.num_slots} cache slots are in use")
+        return SlotCache(self, self.free.pop(0), record_steps)
+
+    def release(self, cache: "SlotCache") -> None:
+        if cache.slot not in self.free:
+            self.free.append(cache.slot)
+
+
+class SlotCache(SequenceCache):
+    """A sequence's view of one `CachePool` slot: the reference code's dicts hold views of the pool,
+    and writes go through to it."""
+
+    def __init__(self, pool: CachePool, slot: int, record_steps: bool = False):
+        super().__init__(record_steps)
+        self.pool, self.slot = pool, slot
+        for layer, conv in pool.conv.items():
+            self.conv[layer] = conv[slot].zero_()
+        for layer, state in pool.recurrent.items():
+            self.recurrent[layer] = state[slot].zero_()
+        self._refresh_kv()
+
+    def _refresh_kv(self) -> None:
+        for layer in self.pool.keys:
+            self.keys[layer] = self.pool.keys[layer][self.slot, : self.num_tokens]
+            self.values[layer] = self.pool.values[layer][self.slot, : self.num_tokens]
+
+    def set_conv(self, layer: int, window: torch.Tensor) -> None:
+        self.conv[layer].copy_(window)
+
+    def set_recurrent(self, layer: int, state: torch.Tensor) -> None:
+        self.recurrent[layer].copy_(state)
+
+    def append_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.num_tokens + k.shape[0]
+        if end > self.pool.max_len:
+            raise ValueError(f"cache slot holds {self.pool.max_len} tokens; this step needs {end}")
+        keys, values = self.pool.keys[layer][self.slot], self.pool.values[layer][self.slot]
+        keys[self.num_tokens : end] = k
+        values[self.num_tokens : end] = v
+        self.keys[layer], self.values[layer] = keys[:end], values[:end]
+        return self.keys[layer], self.values[layer]
+
+    def advance(self, num_tokens: int) -> None:
+        """After a step that wrote the pool directly (a captured graph): count its tokens."""
+        self.num_tokens += num_tokens
+        self._refresh_kv()
+
+    def truncate(self, num_tokens: int) -> None:
+        super().truncate(num_tokens)
+        self._refresh_kv()

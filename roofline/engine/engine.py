@@ -16,11 +16,13 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import load_model
+from ..errors import UserError
 from ..hub import resolve_model
-from ..kernels.dispatch import install_fast_path
+from ..kernels.dispatch import FastPath, install_fast_path
 from ..quant.int8 import quantize_lm_head_int8
 from ..model import Qwen35ForCausalLM
-from .cache import SequenceCache
+from .cache import CachePool, SequenceCache, SlotCache
+from .graphs import DecodeGraphs
 from .sampling import Sampler, SamplingParams, make_generator
 from .speculative import DraftState, MtpSpeculator, SpeculativeConfig
 from .stops import StopStringMatcher
@@ -73,12 +75,18 @@ class Engine:
         model_dir: Path,
         max_model_len: int | None = None,
         speculative: SpeculativeConfig | None = None,
+        pooled_decode: bool = False,
+        max_num_seqs: int = 8,
     ):
         self.model, self.tokenizer, self.model_dir = model, tokenizer, model_dir
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else model.config.eos_token_id)
         self.max_model_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.sampler = Sampler()
         self.speculator = MtpSpeculator(model, self.sampler, speculative) if speculative else None
+        # Pooled decode: caches preallocated per slot, decode steps through DecodeGraphs (CUDA graphs on a GPU).
+        self.pool = self.mtp_pool = self.graphs = None
+        if pooled_decode:
+            self._allocate_pools(max_num_seqs)
         self.generation_config = model_dir / "generation_config.json"
         self.sequences: list[Sequence] = []
         self._ids = itertools.count(1)
@@ -93,7 +101,12 @@ class Engine:
         speculative: SpeculativeConfig | None = None,
         fast_path: bool = True,
         int8_lm_head: bool | None = None,
+        cuda_graphs: bool | None = None,
+        max_num_seqs: int = 8,
     ) -> "Engine":
+        """`cuda_graphs`: decode through preallocated caches and captured CUDA graphs (default: on CUDA when
+        the fast path can capture the step). On a CPU with TRITON_INTERPRET=1 (tests) it runs the same pooled
+        step eagerly through the kernels' interpreter."""
         model_dir = resolve_model(model)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
@@ -104,16 +117,41 @@ class Engine:
             quantize_lm_head_int8(net)
         else:
             log.info("LM head kept as stored (%s)", net.lm_head.FORMAT)
-        if fast_path:
-            install_fast_path(net)
-        else:
+        fast = install_fast_path(net, allow_cpu=bool(cuda_graphs)) if fast_path else FastPath()
+        if not fast_path:
             log.info("fast path off: running the PyTorch reference path")
+        pooled = cuda_graphs if cuda_graphs is not None else (device.startswith("cuda") and fast.graph_ready)
+        if pooled and not fast.graph_ready:
+            raise UserError("CUDA graphs need the fast path's kernels on every layer: "
+                            + ("; ".join(fast.graph_blockers) or "the fast path is not installed (see the log)"))
+        if device.startswith("cuda") and not pooled:
+            log.warning("CUDA graphs off: %s; decode runs eagerly and is launch-bound",
+                        "; ".join(fast.graph_blockers) or "turned off" if fast.installed else "no fast path")
         if (model_dir / "tokenizer.json").is_file():
             tokenizer = Tokenizer.from_dir(model_dir)
         else:
             log.warning("%s has no tokenizer.json: token ids in and out only, no text", model_dir)
             tokenizer = None
-        return cls(net, tokenizer, model_dir, max_model_len, speculative)
+        return cls(net, tokenizer, model_dir, max_model_len, speculative, pooled_decode=pooled, max_num_seqs=max_num_seqs)
+
+    def _allocate_pools(self, max_num_seqs: int) -> None:
+        cfg, model = self.model.config, self.model
+        try:
+            self.pool = CachePool(cfg, cfg.layer_types, max_num_seqs, self.max_model_len, model.device, model.dtype)
+            if self.speculator:
+                self.mtp_pool = CachePool(cfg, ["full_attention"], max_num_seqs, self.max_model_len, model.device, model.dtype)
+        except torch.OutOfMemoryError:
+            raise UserError(
+                f"the preallocated KV cache and GDN state for {max_num_seqs} sequences of {self.max_model_len} tokens do not "
+                "fit in device memory: lower --max-num-seqs or --max-model-len"
+            ) from None
+        total = self.pool.nbytes + (self.mtp_pool.nbytes if self.mtp_pool else 0)
+        use_graphs = model.device.type == "cuda"
+        self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, use_graphs)
+        if self.speculator:
+            self.speculator.graphs = self.graphs
+        log.info("pooled decode: %d slots x %d tokens, %.2f GiB of KV cache and GDN state; %s", max_num_seqs,
+                 self.max_model_len, total / 2**30, "CUDA graphs per batch bucket" if use_graphs else "eager (no CUDA)")
 
     @property
     def device(self) -> torch.device:
@@ -142,13 +180,24 @@ class Engine:
             request_id=next(self._ids),
             draft=DraftState() if self.speculator else None,
         )
+        if self.pool:
+            seq.cache = self.pool.acquire()
+            if seq.draft:
+                seq.draft.cache = self.mtp_pool.acquire()
         self.sequences.append(seq)
         return seq
+
+    def _release(self, seq: Sequence) -> None:
+        if isinstance(seq.cache, SlotCache):
+            self.pool.release(seq.cache)
+        if seq.draft and isinstance(seq.draft.cache, SlotCache):
+            self.mtp_pool.release(seq.draft.cache)
 
     def cancel(self, seq: Sequence) -> None:
         """Drop a sequence and its caches at once (client gone)."""
         if seq in self.sequences:
             self.sequences.remove(seq)
+        self._release(seq)
         seq.cache = SequenceCache()
         seq.draft = None
 
@@ -168,12 +217,30 @@ class Engine:
         room = self.max_model_len - len(seq.prompt_ids) - len(seq.output_ids)
         return seq.draft is not None and bool(seq.draft.pending_tokens) and room > self.speculator.k_max
 
-    def _plain_step(self, active: list[Sequence]) -> list[tuple[Sequence, TokenEvent]]:
+    def _forward(self, active: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's pending tokens through the model: (hidden [N, H] of every token, logits of each
+        sequence's last token). Decoding sequences go through the pooled step when there is one;
+        prompts are prefilled eagerly (into the same pool)."""
         pending = [s.pending_ids for s in active]
+        ends = list(itertools.accumulate(len(p) for p in pending))
+        if self.graphs and all(len(p) == 1 for p in pending):
+            caches = [s.cache for s in active]
+            buf = self.graphs.run([p[0] for p in pending], caches, 1)
+            for i, cache in enumerate(caches):
+                self.graphs.keep(buf, i, cache, 1, 1)
+            return buf.hidden[: len(active)], buf.logits[: len(active)]
         ids = torch.tensor([t for p in pending for t in p], device=self.device)
         hidden = self.model(ids, [len(p) for p in pending], [s.cache for s in active])
+        return hidden, self.model.logits(hidden[torch.tensor(ends, device=self.device) - 1])
+
+    def _plain_step(self, active: list[Sequence]) -> list[tuple[Sequence, TokenEvent]]:
+        decoding = [s for s in active if len(s.pending_ids) == 1 and s.cache.num_tokens]
+        if self.graphs and decoding and len(decoding) < len(active):  # prefills run eagerly, decodes in the graph
+            prefilling = [s for s in active if s not in decoding]
+            return self._plain_step(decoding) + self._plain_step(prefilling)
+        pending = [s.pending_ids for s in active]
+        hidden, logits = self._forward(active)
         ends = list(itertools.accumulate(len(p) for p in pending))
-        logits = self.model.logits(hidden[torch.tensor(ends, device=self.device) - 1])
         tokens, logprobs, top = self.sampler.sample(
             logits,
             [s.params for s in active],
@@ -213,6 +280,7 @@ class Engine:
         for seq, event in events:
             if event.finish_reason and seq in self.sequences:
                 self.sequences.remove(seq)
+                self._release(seq)
         return events
 
     def _append(self, seq: Sequence, token: int, logprob: float, top) -> TokenEvent:

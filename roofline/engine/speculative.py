@@ -97,6 +97,7 @@ class MtpSpeculator:
         if model.mtp is None:
             raise UserError("speculative decoding needs the checkpoint's MTP head (mtp.* tensors), and this checkpoint has none")
         self.model, self.sampler = model, sampler
+        self.graphs = None  # the engine's DecodeGraphs when it decodes on pooled caches
         self.k_max = config.num_speculative_tokens
         self.k = self.k_max  # drafts in the current step (varies only with `auto`)
         self.chooser = DraftLengthChooser(self.k_max) if config.auto else None
@@ -148,13 +149,28 @@ class MtpSpeculator:
             state.cache.truncate(length)  # drafts beyond the first are not true history
         return drafts, qs
 
-    def verify(self, caches, last_tokens, drafts, qs, states, params, histories, prompt_lens, generators) -> list[Verified]:
-        model = self.model
-        inputs = [[t, *d] for t, d in zip(last_tokens, drafts)]
+    def _verify_forward(self, caches, inputs: list[list[int]]):
+        """The main model over each sequence's [last token, drafts]: (hidden, logits, keep) where
+        keep(i, n) leaves cache i holding exactly the first n of its step's tokens."""
+        model, m = self.model, self.k + 1
+        ids = [t for x in inputs for t in x]
+        if self.graphs:
+            buf = self.graphs.run(ids, caches, m, rollback=True)  # GDN state saved after each position
+            rows = len(ids)
+            return buf.hidden[:rows], buf.logits[:rows], lambda i, n: self.graphs.keep(buf, i, caches[i], m, n)
         for cache in caches:
             cache.record_steps = True  # GDN state after every position, for the rollback below
-        hidden = model(torch.tensor([t for x in inputs for t in x], device=model.device), [len(x) for x in inputs], caches)
-        logits = model.logits(hidden)
+        hidden = model(torch.tensor(ids, device=model.device), [len(x) for x in inputs], caches)
+
+        def keep(i: int, n: int) -> None:
+            caches[i].truncate(caches[i].step_start + n)
+            caches[i].stop_recording()
+
+        return hidden, model.logits(hidden), keep
+
+    def verify(self, caches, last_tokens, drafts, qs, states, params, histories, prompt_lens, generators) -> list[Verified]:
+        inputs = [[t, *d] for t, d in zip(last_tokens, drafts)]
+        hidden, logits, keep = self._verify_forward(caches, inputs)
         raw = torch.log_softmax(logits, dim=-1)
         results = []
         for i, (p_params, draft) in enumerate(zip(params, drafts)):
@@ -169,9 +185,7 @@ class MtpSpeculator:
             positions = [i * (self.k + 1) + j for j in range(len(tokens))]
             top = top_logprobs(raw[positions], [p_params] * len(tokens))
             results.append(Verified(tokens, [float(raw[r, t]) for r, t in zip(positions, tokens)], top, self.k, accepted))
-            # caches keep the last token and the accepted drafts; the bonus token is pending
-            caches[i].truncate(caches[i].step_start + 1 + accepted)
-            caches[i].stop_recording()
+            keep(i, 1 + accepted)  # the last token and the accepted drafts; the bonus token is pending
             states[i].pending_hidden = hidden[positions]
             states[i].pending_tokens = list(tokens)
         return results

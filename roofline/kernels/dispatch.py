@@ -2,23 +2,25 @@
 
 `install_fast_path(model)` gives each packed weight (INT4, block FP8, INT8 rows) and each
 layer's routed experts a `forward` that runs the Triton decode kernel for 1..4 rows (the
-decode and MTP-verify batch) and the reference otherwise (prefill). It reports what it
-installed, and why nothing was installed, so the engine can say so in its log. The model
-code is unchanged: kernels are chosen by device and format here, not inside the model.
-
-Not yet on the fast path: GDN decode, decode attention and CUDA graphs (they need the
-preallocated caches of the graph runner), so decode is still launch-bound on a GPU.
+decode and MTP-verify batch) and the reference otherwise (prefill), and gives every attention
+and GDN mixer its pooled `slot_step` (fused decode attention / GDN kernels, see mixers.py),
+the step the CUDA-graph runner captures. It reports what it installed, and what keeps the
+decode step from being captured, so the engine can say so in its log. The model code is
+unchanged: kernels are chosen by device and format here, not inside the model.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
-from ..model.layers import Experts
+from ..model.layers import Experts, GatedAttention, GatedDeltaNet
 from ..quant import Fp8BlockWeight, Int4Weight, LinearWeight
 from ..quant.int8 import Int8RowWeight
 
@@ -66,19 +68,43 @@ def _experts(module: Experts, syms: tuple[bool, bool], x, top_experts, top_weigh
     return experts_down(act, top_experts, top_weights, down.qweight, down.qzeros, down.scales, down.group_size, sym=syms[1])
 
 
-def install_fast_path(model: torch.nn.Module) -> Counter:
-    """Install the Triton decode kernels on `model`'s weights; returns counts by kind (empty: not installed)."""
-    installed: Counter = Counter()
+def _dense_experts(module: Experts, x, top_experts, top_weights) -> torch.Tensor:
+    """Routed BF16/FP16 experts without a host sync: gather each token's k experts and batch them."""
+    if x.shape[0] > MAX_EXPERT_TOKENS:
+        return Experts.forward(module, x, top_experts, top_weights)
+    gate, up = torch.einsum("nh,nkoh->nko", x, module.gate_up.weight[top_experts]).chunk(2, dim=-1)
+    y = torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, module.down.weight[top_experts])
+    return (y * top_weights[..., None]).sum(1).to(x.dtype)
+
+
+@dataclass
+class FastPath:
+    """What `install_fast_path` did: kernels by kind, and what (if anything) keeps the decode step
+    from being captured in a CUDA graph."""
+
+    installed: Counter = field(default_factory=Counter)
+    graph_blockers: list[str] = field(default_factory=list)
+
+    @property
+    def graph_ready(self) -> bool:
+        return bool(self.installed) and not self.graph_blockers
+
+
+def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPath:
+    """Install the Triton decode kernels on `model`; `allow_cpu` (tests) runs them in Triton's interpreter."""
+    result = FastPath()
+    installed = result.installed
     device = model.device
-    if device.type != "cuda":
+    if device.type != "cuda" and not (allow_cpu and os.environ.get("TRITON_INTERPRET") == "1"):
         log.info("fast path not used: the model is on %s; the Triton decode kernels need CUDA", device)
-        return installed
+        return result
     try:
         import triton  # noqa: F401
     except ImportError:
         log.warning("fast path not used: Triton is not installed (pip install 'roofline[gpu]'); running the PyTorch reference path")
-        return installed
+        return result
     from .int4_gemv import is_symmetric
+    from .mixers import attention_slot_step, gdn_slot_step
 
     for module in model.modules():
         if isinstance(module, Experts) and isinstance(module.gate_up, Int4Weight) and isinstance(module.down, Int4Weight):
@@ -91,14 +117,28 @@ def install_fast_path(model: torch.nn.Module) -> Counter:
         elif isinstance(module, Fp8BlockWeight) and not module.num_experts:
             module.forward = partial(_fp8, module)
             installed["fp8"] += 1
+        elif isinstance(module, Experts) and module.gate_up.FORMAT == module.down.FORMAT == "dense":
+            module.forward = partial(_dense_experts, module)
+            installed["dense experts (gathered)"] += 1
+        elif isinstance(module, Experts):
+            result.graph_blockers.append(
+                f"routed experts stored as {module.gate_up.FORMAT}/{module.down.FORMAT} have no sync-free kernel"
+            )
         elif isinstance(module, Int8RowWeight):
             module.forward = partial(_int8, module)
             installed["int8 lm_head"] += 1
-    dense = sum(1 for m in model.modules() if isinstance(m, LinearWeight) and m.FORMAT == "dense")
+        elif isinstance(module, GatedAttention):
+            module.slot_step = partial(attention_slot_step, module)
+            installed["decode attention"] += 1
+        elif isinstance(module, GatedDeltaNet):
+            module.slot_step = partial(gdn_slot_step, module)
+            installed["gdn decode"] += 1
+    result.graph_blockers = sorted(set(result.graph_blockers))
+    dense = sum(1 for m in model.modules() if isinstance(m, LinearWeight) and m.FORMAT == "dense" and not m.num_experts)
     log.info(
-        "fast path: Triton decode kernels on %s; %d dense linears stay on PyTorch; GDN, attention and CUDA graphs are "
-        "not on the fast path yet",
-        ", ".join(f"{n} {kind}" for kind, n in installed.items()) or "no packed weights",
+        "fast path: Triton decode kernels on %s; %d dense linears stay on PyTorch%s",
+        ", ".join(f"{n} {kind}" for kind, n in installed.items()),
         dense,
+        "; the decode step cannot be captured: " + "; ".join(result.graph_blockers) if result.graph_blockers else "",
     )
-    return installed
+    return result

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..engine.cache import SequenceCache
+from ..engine.cache import CachePool, SequenceCache
 from .slots import LinearSlot, plain_parameter
 
 
@@ -31,6 +31,32 @@ class StepBatch:
         for length, cache in zip(self.seq_lens, self.caches):
             yield slice(start, start + length), cache
             start += length
+
+
+@dataclass
+class SlotBatch:
+    """A decode step over pooled caches with every index on the device, so it can be captured as a
+    CUDA graph and replayed: B sequences x M tokens each, flattened sequence-major.
+
+    The mixers' `slot_step` (installed with the fast path's kernels) reads and writes the pool in
+    place. With M > 1 (speculative verify), `rollback` holds per GDN layer the buffers that
+    receive the state and conv window after each of the first M-1 tokens.
+    """
+
+    pool: CachePool
+    slots: torch.Tensor  # [B] the pool slot of each sequence
+    positions: torch.Tensor  # [B*M] absolute positions
+    lengths: torch.Tensor  # [B] cached tokens after this step
+    tokens_per_seq: int
+    max_len: int  # host-side bound on lengths (sizes the attention grid)
+    rollback: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def slot_step_missing(module: nn.Module, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+    raise RuntimeError(
+        f"{type(module).__name__}: the pooled (CUDA-graph) decode step needs the fast path's kernels "
+        "(roofline.kernels.dispatch.install_fast_path)"
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,7 +112,11 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    slot_step = slot_step_missing  # replaced by the fast path
+
+    def forward(self, x: torch.Tensor, batch: StepBatch | SlotBatch) -> torch.Tensor:
+        if isinstance(batch, SlotBatch):
+            return self.slot_step(x, batch)
         n = x.shape[0]
         query, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.rotary(self.q_norm(query), batch.positions)
@@ -138,7 +168,11 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()  # gated RMSNorm over each value head; plain `w`, not 1 + w
         self.norm.weight = plain_parameter(self.v_dim)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    slot_step = slot_step_missing  # replaced by the fast path
+
+    def forward(self, x: torch.Tensor, batch: StepBatch | SlotBatch) -> torch.Tensor:
+        if isinstance(batch, SlotBatch):
+            return self.slot_step(x, batch)
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         beta = torch.sigmoid(self.in_proj_b(x)).float()
         decay = -self.A_log.exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # log of the per-step gate
@@ -154,7 +188,7 @@ class GatedDeltaNet(nn.Module):
         if past is None:
             past = qkv.new_zeros(self.kernel - 1, self.conv_size)
         window = torch.cat([past, qkv])
-        cache.conv[self.layer_idx] = window[-(self.kernel - 1) :].clone()
+        cache.set_conv(self.layer_idx, window[-(self.kernel - 1) :].clone())
         if cache.record_steps:
             cache.step_conv[self.layer_idx] = window
         weight = self.conv1d.weight
@@ -181,7 +215,7 @@ class GatedDeltaNet(nn.Module):
             state = state + k[i][:, :, None] * delta[:, None, :]
             out[i] = torch.einsum("hkv,hk->hv", state, q[i])
             history.append(state)
-        cache.recurrent[self.layer_idx] = state
+        cache.set_recurrent(self.layer_idx, state)
         if cache.record_steps:
             cache.step_recurrent[self.layer_idx] = history
         return out
@@ -261,7 +295,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: StepBatch | SlotBatch) -> torch.Tensor:
         mixer = self.self_attn if self.layer_type == "full_attention" else self.linear_attn
         h = x + mixer(self.input_layernorm(x), batch)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..engine.cache import SequenceCache
-from .layers import DecoderLayer, RMSNorm, StepBatch
+from .layers import DecoderLayer, RMSNorm, SlotBatch, StepBatch
 from .slots import LinearSlot, plain_parameter
 
 
@@ -44,7 +44,7 @@ class MtpHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, 0, "full_attention")])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
 
-    def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, batch: StepBatch | SlotBatch) -> torch.Tensor:
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         return self.norm(self.layers[0](x, batch))
 
@@ -89,6 +89,19 @@ class Qwen35ForCausalLM(nn.Module):
             x = layer(x, batch)
         self.advance(batch)
         return self.model.norm(x)
+
+    @torch.no_grad()
+    def slot_forward(self, input_ids: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+        """`forward` on pooled caches (the captured decode step); the caller advances the caches."""
+        x = self.model.embed(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, batch)
+        return self.model.norm(x)
+
+    @torch.no_grad()
+    def mtp_slot_forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+        """`mtp_forward` on the MTP head's pooled cache."""
+        return self.mtp(self.model.embed(next_ids), hidden, batch)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

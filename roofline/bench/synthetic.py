@@ -1,0 +1,311 @@
+"""`roofline bench synthetic`: the engine's decode step on full-size random weights, against the bandwidth ceiling.
+
+Builds a published shape (qwen3.5-122b-a10b, -35b-a3b, 27b) in a layout directly on the GPU
+(random but sane values, nothing downloaded), installs the fast path, preallocates the cache
+pool for one sequence of the longest context asked (so the memory figure includes it), and
+measures in the same run:
+
+- the device's copy bandwidth (a large device-to-device copy, bytes read + written);
+- bytes read per token, counted from the engine's own tensors (weights by class, routed
+  experts at top-k of E, GDN state read and written, KV per context token);
+- decode time per token at batch 1 at each context (median of repeats of the whole engine
+  step: inputs copied in, the captured graph replayed, the next token read back), tok/s and
+  the fraction of the ceiling (bytes per token / copy bandwidth, over the step time);
+- the step time for M = 2..4 tokens per sequence (the MTP verify step) against M = 1;
+- a breakdown: each component (attention, GDN, routed experts, shared expert, LM head)
+  captured as its own graph over all layers; "rest" is the whole step minus their sum;
+- the MTP draft step and the tok/s of MTP-k at stated acceptance rates, labelled modelled
+  (random weights say nothing about acceptance);
+- peak GPU memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint.loader import plan_model
+from ..checkpoint.random import random_tensor
+from ..checkpoint.reader import TensorInfo
+from ..checkpoint.shapes import PLANNED, describe_layout, layout_tensors, shape_config
+from ..config import ModelConfig
+from ..engine.cache import CachePool, SlotCache
+from ..engine.graphs import DecodeGraphs
+from ..kernels.dispatch import install_fast_path
+from ..model.layers import GatedAttention, SlotBatch
+from ..quant.base import LinearWeight
+from .ceiling import TokenBytes, token_bytes
+
+log = logging.getLogger("roofline.bench")
+
+# The issue's default layout: public INT4 (experts, attention, GDN), shared experts FP8, INT8 LM head.
+DEFAULT_LAYOUT = "hybrid"
+
+
+def build_synthetic_model(shape: str, formats: dict[str, str], device, dtype=torch.bfloat16, layers: int | None = None,
+                          seed: int = 0):
+    """The model of `shape` with every weight in its `formats` storage, filled with random values on `device`."""
+    cfg = ModelConfig.from_dict(shape_config(shape, layers), source=f"shape {shape}")
+    model, _, report = plan_model(cfg, layout_tensors(cfg, formats), device, dtype)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, LinearWeight):
+                for buf_name, buf in module.named_buffers(recurse=False):
+                    buf.copy_(random_tensor(f"{name}.{buf_name}", buf.dtype, tuple(buf.shape), seed, module.in_features, device))
+        for name, param in model.named_parameters():
+            param.copy_(random_tensor(name, param.dtype, tuple(param.shape), seed, None, device))
+    model.to(device)
+    return model, report
+
+
+def engine_token_bytes(model) -> TokenBytes:
+    """Bytes per decoded token from the tensors the model holds (the ceiling's rules, the engine's tensors)."""
+    tensors = {name: TensorInfo(name, PLANNED, t.dtype, tuple(t.shape))
+               for name, t in [*model.named_parameters(), *model.named_buffers()] if t.dim() and "rotary" not in name}
+    return token_bytes(model.config, tensors)
+
+
+def measure_copy_bandwidth(device, nbytes: int = 2 << 30, repeats: int = 20) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read and written (median of repeats)."""
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device=device).random_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times[3:])
+
+
+def _median_ms(fn, repeats: int) -> float:
+    """Median wall time of `fn` (which ends in a host sync) in ms."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
+    """Median device time of one replay of `graph`, in ms."""
+    times = []
+    for _ in range(repeats + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[2:])
+
+
+def _graph_ms(fn, repeats: int) -> float:
+    """Median device time of `fn` captured alone as a CUDA graph, in ms per call."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _replay_ms(graph, repeats)
+
+
+@dataclass
+class SyntheticRun:
+    model: torch.nn.Module
+    pool: CachePool
+    graphs: DecodeGraphs
+    cache: SlotCache
+    mtp_pool: CachePool | None
+
+
+def fill_context(run: SyntheticRun, context: int, seed: int = 0) -> None:
+    """Pretend the sequence holds `context` tokens: random KV up to there, random GDN state."""
+    gen = torch.Generator(run.model.device).manual_seed(seed)
+    slot = run.cache.slot
+    for kv in (*run.pool.keys.values(), *run.pool.values.values()):
+        kv[slot, :context].normal_(generator=gen)
+    for state in run.pool.recurrent.values():
+        state[slot].normal_(generator=gen).mul_(0.01)
+    run.cache.num_tokens = 0
+    run.cache.advance(context)
+
+
+def decode_ms(run: SyntheticRun, m: int, repeats: int) -> tuple[float, float]:
+    """(engine step ms: inputs in, graph replay, argmax read back; replay alone ms): one sequence, m tokens."""
+    ids = [1] * m
+
+    def step():
+        buf = run.graphs.run(ids, [run.cache], m)
+        buf.logits[:m].argmax(-1).tolist()
+
+    step_ms = _median_ms(step, repeats)
+    buf = run.graphs.run(ids, [run.cache], m)
+    return step_ms, _replay_ms(buf.graph, repeats)
+
+
+def breakdown_ms(run: SyntheticRun, context: int, repeats: int) -> dict[str, float]:
+    """Each component captured alone over all layers (batch 1, one token), summed by class, in ms."""
+    model, pool, dev = run.model, run.pool, run.model.device
+    x = torch.randn(1, model.config.hidden_size, device=dev, dtype=model.dtype)
+    batch = SlotBatch(pool, torch.tensor([run.cache.slot], dtype=torch.int32, device=dev),
+                      torch.tensor([context], device=dev), torch.tensor([context + 1], dtype=torch.int32, device=dev),
+                      1, min(pool.max_len, max(1024, 1 << context.bit_length())))
+    totals = dict.fromkeys(COMPONENTS[:-1], 0.0)
+    for layer in model.model.layers:
+        full = layer.layer_type == "full_attention"
+        mixer = layer.self_attn if full else layer.linear_attn
+        totals["attention" if full else "gdn"] += _graph_ms(lambda: mixer(layer.input_layernorm(x), batch), repeats)
+        moe = layer.mlp
+        if hasattr(moe, "experts"):
+            totals["routed experts"] += _graph_ms(lambda: moe.experts(x, *moe.route(x)), repeats)
+            totals["shared expert"] += _graph_ms(lambda: moe.shared_expert(x) * torch.sigmoid(moe.shared_expert_gate(x)), repeats)
+        else:
+            totals["dense mlp"] = totals.get("dense mlp", 0.0) + _graph_ms(lambda: moe(x), repeats)
+    totals["lm head"] = _graph_ms(lambda: model.logits(model.model.norm(x)), repeats)
+    return totals
+
+
+COMPONENTS = ("attention", "gdn", "routed experts", "shared expert", "lm head", "rest")
+
+
+def draft_ms(run: SyntheticRun, repeats: int) -> float | None:
+    """One MTP draft step for one sequence (head layer, norm, LM head, argmax) as a captured graph, in ms."""
+    model = run.model
+    if model.mtp is None or run.mtp_pool is None:
+        return None
+    dev = model.device
+    cache = run.mtp_pool.acquire()
+    ids = torch.tensor([1], device=dev)
+    hidden = torch.randn(1, model.config.hidden_size, device=dev, dtype=model.dtype)
+    batch = SlotBatch(run.mtp_pool, torch.tensor([cache.slot], dtype=torch.int32, device=dev), torch.tensor([0], device=dev),
+                      torch.tensor([1], dtype=torch.int32, device=dev), 1, 1024)
+    return _graph_ms(lambda: model.logits(model.mtp_slot_forward(ids, hidden, batch)).argmax(-1), repeats)
+
+
+def modelled_mtp(decode_1: float, verify: dict[int, float], draft: float, acceptance: tuple[float, ...]) -> list[dict]:
+    """tok/s of MTP-k from measured step times and stated acceptance rates (modelled, not measured)."""
+    rows = []
+    for k, verify_ms in sorted(verify.items()):
+        if k > len(acceptance):
+            continue
+        tokens = 1 + sum(acceptance[:k])
+        step = verify_ms + k * draft
+        rows.append({"k": k, "acceptance": list(acceptance[:k]), "tokens_per_step": tokens, "step_ms": step,
+                     "tok_s": 1e3 * tokens / step, "speedup": tokens * decode_1 / step, "modelled": True})
+    return rows
+
+
+def _pool_bytes(pool: CachePool) -> tuple[int, int]:
+    """(GDN state bytes read + written per token, KV bytes read per context token) of one slot."""
+    state = sum(t[0].numel() * t.element_size() for t in (*pool.recurrent.values(), *pool.conv.values()))
+    kv = sum(t[0, 0].numel() * t.element_size() for t in (*pool.keys.values(), *pool.values.values()))
+    return 2 * state, kv
+
+
+def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768), verify_tokens=(2, 3, 4),
+                  repeats: int = 50, acceptance=(0.95, 0.80), layers: int | None = None, capacity: int = 262144,
+                  device: str = "cuda", progress=print) -> dict:
+    """Everything the module docstring lists, as a JSON-ready dict."""
+    from ..errors import UserError
+    from .environment import environment
+
+    if not torch.cuda.is_available():
+        raise UserError("bench synthetic measures the CUDA decode path: no CUDA device here")
+    torch.cuda.reset_peak_memory_stats()
+    result = {"benchmark": "synthetic", "shape": shape, "layers": layers, "environment": environment(device)}
+    copy_bw = measure_copy_bandwidth(device)
+    progress(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
+    start = time.perf_counter()
+    model, _ = build_synthetic_model(shape, formats, device, layers=layers)
+    cfg = model.config
+    result["layout"] = describe_layout(formats, cfg)
+    progress(f"built {shape} ({result['layout']}) with random weights in {time.perf_counter() - start:.1f} s")
+    fast = install_fast_path(model)
+    if not fast.graph_ready:
+        raise UserError("the decode step cannot be captured: " + ("; ".join(fast.graph_blockers) or "no fast path"))
+    capacity = max(capacity, max(contexts) + max(verify_tokens, default=1) + 1)
+    pool = CachePool(cfg, cfg.layer_types, 1, capacity, device, model.dtype)
+    mtp_pool = CachePool(cfg, ["full_attention"], 1, capacity, device, model.dtype) if model.mtp is not None else None
+    run = SyntheticRun(model, pool, DecodeGraphs(model, pool, 1, use_graphs=True), pool.acquire(), mtp_pool)
+
+    tb = engine_token_bytes(model)
+    state_bytes, kv_per_token = _pool_bytes(pool)
+    result.update({
+        "copy_bandwidth": copy_bw,
+        "kernels": dict(fast.installed),
+        "capacity_tokens": capacity,
+        "bytes": {"weights_per_token": tb.weights, "routed_experts_stored": tb.experts_stored, "dense": tb.dense,
+                  "lm_head": tb.lm_head, "embed_row": tb.embed_row, "gdn_state_rw": state_bytes,
+                  "kv_per_context_token": kv_per_token, "note": "INT4 zero points counted though symmetric kernels skip them"},
+    })
+    rows = []
+    for context in contexts:
+        fill_context(run, context)
+        step, replay = decode_ms(run, 1, repeats)
+        per_token = tb.weights + state_bytes + kv_per_token * context
+        ceiling = copy_bw / per_token
+        rows.append({"context": context, "step_ms": step, "replay_ms": replay, "tok_s": 1e3 / step,
+                     "bytes_per_token": per_token, "ceiling_tok_s": ceiling, "fraction_of_ceiling": 1e3 / step / ceiling})
+        progress(f"context {context}: {1e3 / step:.1f} tok/s ({step:.3f} ms/token, graph {replay:.3f} ms), "
+                 f"ceiling {ceiling:.0f} tok/s -> {rows[-1]['fraction_of_ceiling']:.2f}")
+    result["decode"] = rows
+
+    fill_context(run, 0)
+    verify = {1: rows[0]["step_ms"] if contexts[0] == 0 else decode_ms(run, 1, repeats)[0]}
+    for m in verify_tokens:
+        verify[m] = decode_ms(run, m, repeats)[0]
+    result["tokens_per_sequence"] = [{"m": m, "step_ms": ms, "vs_m1": ms / verify[1]} for m, ms in sorted(verify.items())]
+    progress("step time by tokens per sequence: " + ", ".join(f"M={m} {ms:.3f} ms" for m, ms in sorted(verify.items())))
+
+    parts = breakdown_ms(run, 0, repeats)
+    whole = decode_ms(run, 1, repeats)[1]
+    parts["rest"] = whole - sum(parts.values())
+    result["breakdown_ms"] = {"whole_step_graph": whole, **parts,
+                              "note": "each component captured alone over all layers; rest = whole step - their sum"}
+    draft = draft_ms(run, repeats)
+    if draft is not None:
+        result["mtp"] = {"draft_step_ms": draft, "verify_step_ms": {m - 1: ms for m, ms in verify.items() if m > 1},
+                         "modelled": modelled_mtp(verify[1], {m - 1: ms for m, ms in verify.items() if m > 1}, draft, acceptance)}
+    result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+    result["pool_bytes"] = pool.nbytes + (mtp_pool.nbytes if mtp_pool else 0)
+    return result
+
+
+def format_report(r: dict) -> str:
+    gb = 1e9
+    lines = [f"{r['shape']}{' (first %d layers)' % r['layers'] if r['layers'] else ''}, {r['layout']}; "
+             f"{r['environment']['device']}, commit {r['environment']['commit']}",
+             f"copy bandwidth {r['copy_bandwidth'] / gb:.0f} GB/s; weights read per token {r['bytes']['weights_per_token'] / gb:.2f} GB, "
+             f"GDN state {r['bytes']['gdn_state_rw'] / 1e6:.0f} MB, KV {r['bytes']['kv_per_context_token']} B per context token",
+             "", "| context | GB/token | ceiling tok/s | tok/s | ms/token | graph ms | of ceiling |", "|---|---|---|---|---|---|---|"]
+    for row in r["decode"]:
+        lines.append(f"| {row['context']} | {row['bytes_per_token'] / gb:.2f} | {row['ceiling_tok_s']:.0f} | {row['tok_s']:.1f} | "
+                     f"{row['step_ms']:.3f} | {row['replay_ms']:.3f} | {row['fraction_of_ceiling']:.2f} |")
+    lines += ["", "| tokens per sequence (M) | step ms | vs M=1 |", "|---|---|---|"]
+    lines += [f"| {t['m']} | {t['step_ms']:.3f} | {t['vs_m1']:.2f}x |" for t in r["tokens_per_sequence"]]
+    b = r["breakdown_ms"]
+    lines += ["", "| component (context 0) | ms | share |", "|---|---|---|"]
+    lines += [f"| {c} | {b[c]:.3f} | {b[c] / b['whole_step_graph']:.0%} |" for c in COMPONENTS if c in b]
+    lines.append(f"| whole step (graph) | {b['whole_step_graph']:.3f} | |")
+    if "mtp" in r:
+        lines += ["", f"MTP draft step {r['mtp']['draft_step_ms']:.3f} ms. Modelled (stated acceptance, not measured):",
+                  "| k | acceptance | tokens/step | ms/step | tok/s | vs no MTP |", "|---|---|---|---|---|---|"]
+        lines += [f"| {m['k']} | {', '.join(f'{a:.2f}' for a in m['acceptance'])} | {m['tokens_per_step']:.2f} | {m['step_ms']:.3f} | "
+                  f"{m['tok_s']:.0f} | {m['speedup']:.2f}x |" for m in r["mtp"]["modelled"]]
+    lines.append(f"\npeak GPU memory {r['peak_memory_bytes'] / 2**30:.1f} GiB (cache pool for {r['capacity_tokens']} tokens: "
+                 f"{r['pool_bytes'] / 2**30:.2f} GiB)")
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""The mixers' pooled decode step (`slot_step`) on the fused kernels: what a CUDA graph captures.
+
+Installed by `dispatch.install_fast_path` on each GatedAttention and GatedDeltaNet. Projections
+go through the weights' own (fast-path) `forward`; the cache work is one kernel per layer:
+attention writes the step's keys and values into the pool at their positions and runs
+`decode_attention` over the slot; GDN runs `gdn_decode`, which updates the slot's conv window
+and recurrent state in place (and, for a multi-token verify step, saves the state after each
+token so a partial accept can roll back).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.layers import GatedAttention, GatedDeltaNet, SlotBatch
+from .decode_attention import decode_attention
+from .gdn_decode import gdn_decode
+
+
+def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+    n, m = x.shape[0], batch.tokens_per_seq
+    query, gate = attn.q_proj(x).view(n, attn.num_heads, 2 * attn.head_dim).chunk(2, dim=-1)
+    q = attn.rotary(attn.q_norm(query), batch.positions)
+    k = attn.rotary(attn.k_norm(attn.k_proj(x).view(n, attn.num_kv_heads, attn.head_dim)), batch.positions)
+    v = attn.v_proj(x).view(n, attn.num_kv_heads, attn.head_dim)
+    keys, values = batch.pool.keys[attn.layer_idx], batch.pool.values[attn.layer_idx]
+    rows = batch.slots.repeat_interleave(m)
+    keys[rows, batch.positions] = k
+    values[rows, batch.positions] = v
+    out = decode_attention(
+        q.reshape(n // m, m, attn.num_heads, attn.head_dim), keys, values, batch.lengths,
+        attn.head_dim**-0.5, max_len=batch.max_len, slots=batch.slots,
+    )
+    out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
+    return attn.o_proj(out)
+
+
+def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+    step_states, step_conv = (batch.rollback or {}).get(gdn.layer_idx, (None, None))
+    core = gdn_decode(
+        gdn.in_proj_qkv(x), gdn.in_proj_z(x), gdn.in_proj_b(x), gdn.in_proj_a(x),
+        batch.pool.conv[gdn.layer_idx], gdn.conv1d.weight, gdn.A_log, gdn.dt_bias, gdn.norm.weight,
+        batch.pool.recurrent[gdn.layer_idx], gdn.num_k_heads, gdn.eps,
+        slots=batch.slots, tokens_per_seq=batch.tokens_per_seq, step_states=step_states, step_conv=step_conv,
+    )
+    return gdn.out_proj(core)
