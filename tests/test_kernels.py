@@ -290,35 +290,182 @@ def test_gdn_reference_matches_model():
     torch.testing.assert_close(args["state"], torch.stack(outs[1::2]), rtol=1e-5, atol=1e-5)
 
 
-# ---------------------------------------------------------------- decode attention
+def gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device, kernel=4, seed=0):
+    """A pool of `pool` slots (conv_state, state) and one step's inputs for bsz sequences x m tokens."""
+    c = 2 * hk * dk + hv * dv
+    g = torch.Generator().manual_seed(seed * 1000 + bsz * 100 + pool * 10 + m)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    fixed = dict(conv_weight=rnd(c, 1, kernel, scale=0.5).to(dtype), A_log=rnd(hv, scale=0.5),
+                 dt_bias=rnd(hv, scale=0.5), norm_weight=(1 + rnd(dv, scale=0.1)).to(dtype))
+    pools = dict(conv_state=rnd(pool, kernel - 1, c).to(dtype), state=rnd(pool, hv, dk, dv, scale=0.3))
+    step = dict(qkv=rnd(bsz * m, c).to(dtype), z=rnd(bsz * m, hv * dv).to(dtype), b=rnd(bsz * m, hv).to(dtype),
+                a=rnd(bsz * m, hv).to(dtype))
+    return fixed, pools, step
 
 
-def check_attention(bsz, m, hq, hkv, d, cap, lengths, dtype, device, config=None, tol=1e-2):
-    torch.manual_seed(bsz + m + cap)
-    q = torch.randn(bsz, m, hq, d, device=device).to(dtype)
-    k = torch.randn(bsz, cap, hkv, d, device=device).to(dtype)
-    v = torch.randn(bsz, cap, hkv, d, device=device).to(dtype)
-    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-    y = decode_attention(q, k, v, lens, out=nan_like(q), config=config)
-    assert rel_err(y, decode_attention_reference(q, k, v, lens)) < tol
+def check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, device, block_v=None, use_slots=True, save="both",
+                   steps=2, tol=1e-2):
+    """gdn_decode with slots / M tokens / step outputs vs the reference, over `steps` successive steps;
+    pool rows not in `slots` must stay untouched."""
+    kernel = 4
+    c = 2 * hk * dk + hv * dv
+    fixed, pools, _ = gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device, kernel)
+    ref_pools = {k: v.clone() for k, v in pools.items()}
+    for step in range(steps):
+        _, _, inp = gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device, kernel, seed=step + 1)
+        slots = None
+        if use_slots:
+            perm = torch.randperm(pool, generator=torch.Generator().manual_seed(step)) if step else torch.arange(pool - 1, -1, -1)
+            slots = perm[:bsz].to(device)
+            slots = slots.to(torch.int32 if step % 2 else torch.int64)
+        outs = {}
+        for name, pl in (("kernel", pools), ("ref", ref_pools)):
+            ss = sc = None
+            if save in ("both", "states"):
+                ss = torch.full((bsz, m - 1, hv, dk, dv), float("nan"), device=device)
+            if save in ("both", "conv"):
+                sc = torch.full((bsz, m - 1, kernel - 1, c), float("nan"), device=device).to(dtype)
+            fn = gdn_decode if name == "kernel" else gdn_decode_reference
+            extra = dict(out=nan_like(torch.empty(bsz * m, hv * dv, dtype=dtype, device=device)), block_v=block_v) \
+                if name == "kernel" else {}
+            y = fn(inp["qkv"], inp["z"], inp["b"], inp["a"], pl["conv_state"], fixed["conv_weight"], fixed["A_log"],
+                   fixed["dt_bias"], fixed["norm_weight"], pl["state"], hk, slots=slots, tokens_per_seq=m,
+                   step_states=ss, step_conv=sc, **extra)
+            outs[name] = (y, ss, sc)
+        (y, ss, sc), (ry, rss, rsc) = outs["kernel"], outs["ref"]
+        assert rel_err(y, ry) < tol, f"step {step}"
+        assert rel_err(pools["state"], ref_pools["state"]) < 1e-4
+        torch.testing.assert_close(pools["conv_state"], ref_pools["conv_state"], rtol=0, atol=0)
+        if ss is not None and m > 1:
+            assert rel_err(ss, rss) < 1e-4
+        if sc is not None and m > 1:
+            torch.testing.assert_close(sc, rsc, rtol=0, atol=0)
     assert_counters_zero()
 
 
 @cpu
-@pytest.mark.parametrize("bsz,m,hq,hkv,d,cap,lengths,config", [
-    (2, 1, 4, 2, 32, 50, [37, 50], None),
-    (3, 3, 8, 2, 24, 70, [3, 40, 70], {"NSPLIT": 3}),   # M=3 causal verify rows, a context shorter than the split
-    (1, 4, 6, 1, 64, 33, [33], {"NSPLIT": 5}),
-    (2, 2, 4, 4, 256, 20, [20, 7], None),               # head dim 256
+@pytest.mark.parametrize("bsz,pool,m,hk,hv,dk,dv,dtype,block_v,use_slots,save", [
+    (2, 3, 1, 2, 4, 16, 16, torch.float32, 8, True, "none"),
+    (2, 2, 2, 1, 3, 12, 20, torch.float16, 8, False, "both"),    # dv not a multiple of the block, no slots
+    (1, 3, 3, 2, 2, 32, 24, torch.float32, 16, True, "both"),
+    (3, 5, 4, 1, 2, 8, 12, torch.float16, 8, True, "both"),       # M > K-1: the new window is all new tokens
+    (2, 4, 4, 2, 4, 8, 8, torch.float32, 8, True, "none"),
+    (2, 3, 3, 1, 2, 8, 8, torch.float32, 8, False, "states"),     # pool larger than B without slots: rows 0..B-1
 ])
-def test_decode_attention_interpreter(bsz, m, hq, hkv, d, cap, lengths, config):
-    check_attention(bsz, m, hq, hkv, d, cap, lengths, torch.float32 if m % 2 else torch.float16, "cpu", config, tol=2e-3)
+def test_gdn_decode_pool_interpreter(bsz, pool, m, hk, hv, dk, dv, dtype, block_v, use_slots, save):
+    check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, "cpu", block_v, use_slots, save, tol=2e-3)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gdn_decode_pool_gpu(m):
+    check_gdn_pool(3, 5, m, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="both")
+
+
+def test_gdn_reference_tokens_are_steps():
+    """The reference with M tokens per sequence is M successive one-token reference calls (slots too),
+    and its step outputs are the states and windows between those calls."""
+    bsz, pool, m, hk, hv, dk, dv = 2, 3, 4, 2, 4, 8, 8
+    fixed, pools, inp = gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, torch.float32, "cpu")
+    slots = torch.tensor([2, 0])
+    one = {k: v.clone() for k, v in pools.items()}
+    ss = torch.empty(bsz, m - 1, hv, dk, dv)
+    sc = torch.empty(bsz, m - 1, 3, pools["conv_state"].shape[-1])
+    y = gdn_decode_reference(inp["qkv"], inp["z"], inp["b"], inp["a"], pools["conv_state"], **fixed,
+                             state=pools["state"], num_k_heads=hk, slots=slots, tokens_per_seq=m,
+                             step_states=ss, step_conv=sc)
+    rows = lambda t, j: t.view(bsz, m, -1)[:, j]  # noqa: E731
+    for j in range(m):
+        yj = gdn_decode_reference(rows(inp["qkv"], j), rows(inp["z"], j), rows(inp["b"], j), rows(inp["a"], j),
+                                  one["conv_state"], **fixed, state=one["state"], num_k_heads=hk, slots=slots)
+        torch.testing.assert_close(rows(y, j), yj, rtol=0, atol=0)
+        if j < m - 1:
+            torch.testing.assert_close(ss[:, j], one["state"][slots], rtol=0, atol=0)
+            torch.testing.assert_close(sc[:, j], one["conv_state"][slots], rtol=0, atol=0)
+    torch.testing.assert_close(pools["state"], one["state"], rtol=0, atol=0)
+    torch.testing.assert_close(pools["conv_state"], one["conv_state"], rtol=0, atol=0)
+
+
+def test_gdn_reference_tokens_match_model():
+    """The M-token reference is GatedDeltaNet's multi-token causal_conv + recurrence + gated_norm (one
+    sequence), and the step outputs are what the model's recorded steps roll back to."""
+    from roofline.engine.cache import SequenceCache
+    from roofline.model.layers import GatedDeltaNet
+
+    m, hk, hv, dk, dv, kernel = 3, 2, 4, 8, 8, 4
+    fixed, pools, inp = gdn_pool_inputs(1, 2, m, hk, hv, dk, dv, torch.float32, "cpu")
+    c = inp["qkv"].shape[1]
+    layer = types.SimpleNamespace(
+        layer_idx=0, kernel=kernel, conv_size=c, conv1d=types.SimpleNamespace(weight=fixed["conv_weight"]),
+        key_size=hk * dk, value_size=hv * dv, num_v_heads=hv, num_k_heads=hk, k_dim=dk, v_dim=dv, eps=1e-6,
+        norm=types.SimpleNamespace(weight=fixed["norm_weight"]),
+    )
+    cache = SequenceCache(record_steps=True)
+    cache.conv[0] = pools["conv_state"][1].clone()
+    cache.recurrent[0] = pools["state"][1].clone()
+    beta = torch.sigmoid(inp["b"]).float()
+    decay = -fixed["A_log"].exp() * torch.nn.functional.softplus(inp["a"].float() + fixed["dt_bias"])
+    mixed = GatedDeltaNet.causal_conv(layer, inp["qkv"], cache)
+    core = GatedDeltaNet.recurrence(layer, mixed, beta, decay, cache)
+    model_out = GatedDeltaNet.gated_norm(layer, core, inp["z"])
+    ss = torch.empty(1, m - 1, hv, dk, dv)
+    sc = torch.empty(1, m - 1, kernel - 1, c)
+    ref_out = gdn_decode_reference(inp["qkv"], inp["z"], inp["b"], inp["a"], pools["conv_state"], **fixed,
+                                   state=pools["state"], num_k_heads=hk, slots=torch.tensor([1]), tokens_per_seq=m,
+                                   step_states=ss, step_conv=sc)
+    torch.testing.assert_close(ref_out, model_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pools["state"][1], cache.recurrent[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pools["conv_state"][1], cache.conv[0], rtol=0, atol=0)
+    for j in range(m - 1):
+        torch.testing.assert_close(ss[0, j], cache.step_recurrent[0][j], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sc[0, j], cache.step_conv[0][j + 1 : j + kernel], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- decode attention
+
+
+def check_attention(bsz, m, hq, hkv, d, cap, lengths, dtype, device, config=None, tol=1e-2, pool=None):
+    """decode_attention vs the reference; with `pool` (> bsz) the caches are a pool read through random slots."""
+    torch.manual_seed(bsz + m + cap)
+    rows = pool or bsz
+    q = torch.randn(bsz, m, hq, d, device=device).to(dtype)
+    k = torch.randn(rows, cap, hkv, d, device=device).to(dtype)
+    v = torch.randn(rows, cap, hkv, d, device=device).to(dtype)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    slots = torch.arange(rows - 1, -1, -1)[:bsz].to(device) if pool else None  # never the identity rows
+    y = decode_attention(q, k, v, lens, out=nan_like(q), config=config, slots=slots)
+    assert rel_err(y, decode_attention_reference(q, k, v, lens, slots=slots)) < tol
+    assert_counters_zero()
+
+
+@cpu
+@pytest.mark.parametrize("bsz,m,hq,hkv,d,cap,lengths,config,pool", [
+    (2, 1, 4, 2, 32, 50, [37, 50], None, None),
+    (3, 3, 8, 2, 24, 70, [3, 40, 70], {"NSPLIT": 3}, None),   # M=3 causal verify rows, a context shorter than the split
+    (1, 4, 6, 1, 64, 33, [33], {"NSPLIT": 5}, None),          # two-level combine: groups of 4 and 1 splits
+    (2, 2, 4, 4, 256, 20, [20, 7], None, None),               # head dim 256
+    (2, 1, 4, 2, 32, 50, [50, 21], {"NSPLIT": 7, "GROUP": 2}, 5),  # slots into a pool of 5; 4 groups
+    (3, 2, 8, 2, 16, 40, [40, 2, 17], {"NSPLIT": 9, "GROUP": 8}, 4),  # slots; a one-split last group
+    (1, 3, 4, 1, 32, 30, [30], {"NSPLIT": 4, "GROUP": 4}, 3),  # slots; one group (no second level)
+])
+def test_decode_attention_interpreter(bsz, m, hq, hkv, d, cap, lengths, config, pool):
+    check_attention(bsz, m, hq, hkv, d, cap, lengths, torch.float32 if m % 2 else torch.float16, "cpu", config,
+                    tol=2e-3, pool=pool)
 
 
 @gpu
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_decode_attention_gpu(m):
     check_attention(2, m, 32, 2, 256, 8192, [8192, 3001], torch.bfloat16, GPU)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_decode_attention_gpu_slots(m):
+    check_attention(2, m, 32, 2, 256, 8192, [8100, 3001], torch.bfloat16, GPU, pool=3)
 
 
 @gpu

@@ -1,6 +1,6 @@
 """Decode attention over a KV cache: GQA, head dim up to 256, 1..4 query tokens per sequence, causal.
 
-Interface: q [B, M, Hq, D] (RoPE already applied), k_cache / v_cache [B, T, Hkv, D], lengths [B]
+Interface: q [B, M, Hq, D] (RoPE already applied), k_cache / v_cache [B (or S), T, Hkv, D], lengths [B]
 int: sequence b holds lengths[b] valid cache entries, the last M of which are its M query tokens
 (query i sits at position lengths[b] - M + i and sees keys 0..that position). T is the cache's
 capacity; `max_len` (a host-side bound on lengths) sizes the grid, so a graph captured for one
@@ -9,7 +9,12 @@ bound stays valid while lengths grow up to it.
 Flash-decoding: program (split, kv head, sequence) streams its share of the cache once for all
 Hq/Hkv query heads of the kv head and all M query tokens (rows = heads x tokens, padded to 16
 for the matrix unit), keeping an online softmax; the last split of a (sequence, kv head) to
-finish combines the partial (max, sum, output) triples in split order (see _common.arrive).
+finish merges the partial (max, sum, output) triples in two levels (see _common.arrive): the last
+split of each group of ~sqrt(splits) merges its group, the last group merges the groups, so no
+program reads more than ~sqrt(splits) partials.
+
+Pools: with `slots` [B] (int32/int64), k_cache / v_cache are [S, T, Hkv, D] pools of S slots and
+sequence b reads row slots[b]; without it, row b.
 """
 
 from __future__ import annotations
@@ -25,16 +30,18 @@ from ._common import INTERPRET, arrive, counters_for, next_pow2, reset
 from .int4_gemv import _sm_count
 
 
-def decode_attention_reference(q, k_cache, v_cache, lengths, scale: float | None = None) -> torch.Tensor:
-    """Per sequence: causal GQA softmax(q k^T * scale) v over the first lengths[b] cache entries, in fp32."""
+def decode_attention_reference(q, k_cache, v_cache, lengths, scale: float | None = None, *, slots=None) -> torch.Tensor:
+    """Per sequence: causal GQA softmax(q k^T * scale) v over the first lengths[b] entries of cache row
+    slots[b] (row b without slots), in fp32."""
     bsz, m, hq, d = q.shape
     hkv = k_cache.shape[2]
     scale = d**-0.5 if scale is None else scale
     out = torch.empty_like(q)
     for b in range(bsz):
         length = int(lengths[b])
-        keys = k_cache[b, :length].float().transpose(0, 1)  # [Hkv, L, D]
-        values = v_cache[b, :length].float().transpose(0, 1)
+        row = b if slots is None else int(slots[b])
+        keys = k_cache[row, :length].float().transpose(0, 1)  # [Hkv, L, D]
+        values = v_cache[row, :length].float().transpose(0, 1)
         pos = torch.arange(length - m, length, device=q.device)
         mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]  # [M, L]
         o = F.scaled_dot_product_attention(
@@ -46,15 +53,53 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, scale: float | None
 
 
 @triton.jit
+def _combine(base, count, r, rmask, dd, BQ: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, CH: tl.constexpr):
+    """Merge `count` (<= NP) partial (max, sum, output) triples stored WS = BQ*(BD+2) floats apart from base.
+
+    Loads go through L2 (.cg: other programs wrote them); all maxima at once, then the weighted
+    sums in chunks of CH partials whose loads go out together. Returns the merged triple."""
+    WS: tl.constexpr = BQ * (BD + 2)
+    i = tl.arange(0, NP)
+    ms = tl.load(base + i[:, None] * WS + r[None, :], mask=(i < count)[:, None] & rmask[None, :], other=-1.0e30,
+                 cache_modifier=".cg")
+    m_all = tl.max(ms, axis=0)
+    l_all = tl.zeros([BQ], dtype=tl.float32)
+    acc = tl.zeros([BQ, BD], dtype=tl.float32)
+    for c in tl.static_range(0, NP, CH):
+        sp = c + tl.arange(0, CH)
+        smask = (sp < count)[:, None] & rmask[None, :]
+        mc = tl.load(base + sp[:, None] * WS + r[None, :], mask=smask, other=-1.0e30, cache_modifier=".cg")
+        lc = tl.load(base + sp[:, None] * WS + BQ + r[None, :], mask=smask, other=0.0, cache_modifier=".cg")
+        part = tl.load(base + sp[:, None, None] * WS + 2 * BQ + r[None, :, None] * BD + dd[None, None, :],
+                       mask=smask[:, :, None], other=0.0, cache_modifier=".cg")
+        w = tl.exp2(mc - m_all[None, :])  # [CH, BQ]
+        l_all += tl.sum(w * lc, axis=0)
+        acc += tl.sum(part * w[:, :, None], axis=0)
+    return m_all, l_all, acc
+
+
+@triton.jit
+def _store_partial(base, m_i, l_i, acc, r, rmask, dd, BQ: tl.constexpr, BD: tl.constexpr):
+    tl.store(base + r, m_i, mask=rmask)
+    tl.store(base + BQ + r, l_i, mask=rmask)
+    tl.store(base + 2 * BQ + r[:, None] * BD + dd[None, :], acc, mask=rmask[:, None])
+
+
+@triton.jit
 def _decode_attn_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, ws_ptr, cnt_ptr,
-    T, HQ, HKV, D, KEYS_PER_SPLIT, scale_log2,
-    M: tl.constexpr, HG: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, NSPLIT, NSPLITP: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, len_ptr, slot_ptr, out_ptr, ws_ptr, gws_ptr, cnt_ptr,
+    T, HQ, HKV, D, KEYS_PER_SPLIT, scale_log2, NSPLIT, NGROUP,
+    M: tl.constexpr, HG: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+    GSIZE: tl.constexpr, NGROUPP: tl.constexpr, CH: tl.constexpr, CHG: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     sp = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
     length = tl.load(len_ptr + b).to(tl.int32)
+    if HAS_SLOTS:
+        row = tl.load(slot_ptr + b).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
     r = tl.arange(0, BQ)  # row = head_in_group * M + token
     rmask = r < HG * M
     head = kvh * HG + r // M
@@ -69,7 +114,7 @@ def _decode_attn_kernel(
     l_i = tl.zeros([BQ], dtype=tl.float32)
     acc = tl.zeros([BQ, BD], dtype=tl.float32)
     tt = tl.arange(0, BT)
-    kv_base = (b.to(tl.int64) * T * HKV + kvh) * D
+    kv_base = (row * T * HKV + kvh) * D
     for t0 in range(start, end, BT):
         t = t0 + tt
         tmask = t < end
@@ -86,53 +131,52 @@ def _decode_attn_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # workspace per (b, kvh, split): [BQ] max, [BQ] sum, [BQ, BD] unnormalised output
-    wbase = ws_ptr + ((b * HKV + kvh) * NSPLIT + sp).to(tl.int64) * (BQ * (BD + 2))
-    tl.store(wbase + r, m_i)
-    tl.store(wbase + BQ + r, l_i)
-    tl.store(wbase + 2 * BQ + r[:, None] * BD + dd[None, :], acc)
-    cnt = cnt_ptr + b * HKV + kvh
-    if arrive(cnt, NSPLIT):
-        # combine: all splits' (max, sum) at once, then the weighted outputs, loads unrolled (NSPLITP bound)
-        base = ws_ptr + ((b * HKV + kvh) * NSPLIT).to(tl.int64) * (BQ * (BD + 2))
-        sp_all = tl.arange(0, NSPLITP)
-        used = (sp_all < NSPLIT) & (sp_all * KEYS_PER_SPLIT < length)
-        ms = tl.load(base + sp_all[:, None] * (BQ * (BD + 2)) + r[None, :], mask=used[:, None], other=-1.0e30,
-                     cache_modifier=".cg")  # [NSPLITP, BQ]
-        ls = tl.load(base + sp_all[:, None] * (BQ * (BD + 2)) + BQ + r[None, :], mask=used[:, None], other=0.0,
-                     cache_modifier=".cg")
-        m_all = tl.max(ms, axis=0)
-        wts = tl.where(used[:, None], tl.exp2(ms - m_all[None, :]), 0.0)  # [NSPLITP, BQ]
-        l_all = tl.sum(wts * ls, axis=0)
-        o_all = tl.zeros([BQ, BD], dtype=tl.float32)
-        for s2 in tl.static_range(NSPLITP):
-            w_s = tl.sum(tl.where(sp_all[:, None] == s2, wts, 0.0), axis=0)  # [BQ]
-            rows = tl.where((s2 < NSPLIT) & (s2 * KEYS_PER_SPLIT < length), BQ, 0)
-            o_s = tl.load(base + s2 * (BQ * (BD + 2)) + 2 * BQ + r[:, None] * BD + dd[None, :],
-                          mask=(r < rows)[:, None], other=0.0, cache_modifier=".cg")
-            o_all += o_s * w_s[:, None]
-        o = o_all / l_all[:, None]
-        tl.store(out_ptr + ((b * M + tok) * HQ + head)[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & dmask[None, :])
-        reset(cnt)
+    WS: tl.constexpr = BQ * (BD + 2)
+    bh = b * HKV + kvh
+    _store_partial(ws_ptr + (bh * NSPLIT + sp).to(tl.int64) * WS, m_i, l_i, acc, r, rmask, dd, BQ, BD)
+    # two-level combine: the last split of each group of GSIZE merges the group; the last group the groups
+    g = sp // GSIZE
+    cnt = cnt_ptr + bh * (NGROUP + 1)
+    out_offs = ((b * M + tok) * HQ + head)[:, None] * D + dd[None, :]
+    if arrive(cnt + g, tl.minimum(GSIZE, NSPLIT - g * GSIZE)):
+        m_g, l_g, acc_g = _combine(ws_ptr + (bh * NSPLIT + g * GSIZE).to(tl.int64) * WS,
+                                   tl.minimum(GSIZE, NSPLIT - g * GSIZE), r, rmask, dd, BQ, BD, GSIZE, CH)
+        reset(cnt + g)
+        if NGROUP == 1:
+            tl.store(out_ptr + out_offs, (acc_g / tl.where(l_g > 0, l_g, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+        else:
+            _store_partial(gws_ptr + (bh * NGROUP + g).to(tl.int64) * WS, m_g, l_g, acc_g, r, rmask, dd, BQ, BD)
+            if arrive(cnt + NGROUP, NGROUP):
+                m_f, l_f, acc_f = _combine(gws_ptr + (bh * NGROUP).to(tl.int64) * WS, NGROUP, r, rmask, dd, BQ, BD,
+                                           NGROUPP, CHG)
+                tl.store(out_ptr + out_offs, (acc_f / tl.where(l_f > 0, l_f, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
+                         mask=rmask[:, None] & dmask[None, :])
+                reset(cnt + NGROUP)
 
 
 def default_config() -> dict:
-    """About one program per two SMs: fewer, longer splits (their K/V loads pipelined by num_stages) keep the
-    final combine short; measured on the H200, 66 short splits spent most of their time combining."""
+    """One program per SM (B x Hkv x splits): with the two-level combine a split's partial costs the
+    last programs about one L2 round trip per chunk, so more, shorter splits no longer pay for their
+    combine as the one-level combine of run 2 did (66 splits: most of the time spent combining)."""
     if INTERPRET:
         return {"BT": 16, "num_warps": 1, "num_stages": 1}
-    return {"BT": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 0.5}
+    return {"BT": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 1.0}
 
 
 def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None, *, max_len: int | None = None, out=None,
-                     config: dict | None = None, counters=None) -> torch.Tensor:
-    """Attention of q [B, M, Hq, D] over the caches [B, T, Hkv, D] (see the module docstring) -> [B, M, Hq, D]."""
+                     slots=None, config: dict | None = None, counters=None) -> torch.Tensor:
+    """Attention of q [B, M, Hq, D] over the caches [S, T, Hkv, D] (row slots[b] for sequence b, or row b)
+    (see the module docstring) -> [B, M, Hq, D]."""
     bsz, m, hq, d = q.shape
     t_cap, hkv = k_cache.shape[1], k_cache.shape[2]
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not divide into {hkv} kv heads")
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride() or not k_cache.is_contiguous():
-        raise ValueError("k_cache and v_cache must be contiguous [B, T, Hkv, D] with equal strides")
+        raise ValueError("k_cache and v_cache must be contiguous [S, T, Hkv, D] with equal strides")
+    if slots is not None and (slots.shape != (bsz,) or slots.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"slots must be int32/int64 [{bsz}], got {slots.dtype} {list(slots.shape)}")
+    if slots is None and k_cache.shape[0] < bsz:
+        raise ValueError(f"{bsz} sequences but only {k_cache.shape[0]} cache rows")
     hg = hq // hkv
     bq = max(16, next_pow2(hg * m))
     cfg = default_config()
@@ -149,15 +193,21 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None, *
     nsplit = cfg.get("NSPLIT") or max(1, min(blocks, math.ceil(_sm_count(q.device) * cfg.get("programs_per_sm", 1.0) / (bsz * hkv))))
     keys_per_split = triton.cdiv(blocks, nsplit) * bt
     nsplit = triton.cdiv(max(max_len, 1), keys_per_split)
+    gsize = cfg.get("GROUP") or next_pow2(math.ceil(math.sqrt(nsplit)))
+    ngroup = triton.cdiv(nsplit, gsize)
+    # chunk of partials merged per step: about 8K fp32 values in flight per program
+    ch = max(1, min(gsize, 8192 // (bq * bd)))
+    chg = max(1, min(next_pow2(ngroup), 8192 // (bq * bd)))
     scale = d**-0.5 if scale is None else scale
     if out is None:
         out = torch.empty_like(q)
-    ws = torch.empty(bsz * hkv * nsplit * bq * (bd + 2), dtype=torch.float32, device=q.device)
-    cnt = counters if counters is not None else counters_for("decode_attention", bsz * hkv, q.device)
+    ws = torch.empty(bsz * hkv * (nsplit + ngroup) * bq * (bd + 2), dtype=torch.float32, device=q.device)
+    cnt = counters if counters is not None else counters_for("decode_attention", bsz * hkv * (ngroup + 1), q.device)
     _decode_attn_kernel[(nsplit, hkv, bsz)](
-        q.contiguous(), k_cache, v_cache, lengths, out, ws, cnt,
-        t_cap, hq, hkv, d, keys_per_split, scale * 1.4426950408889634,
-        M=m, HG=hg, BQ=bq, BD=bd, BT=bt, NSPLIT=nsplit, NSPLITP=next_pow2(nsplit),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        q.contiguous(), k_cache, v_cache, lengths, slots if slots is not None else lengths, out, ws,
+        ws[bsz * hkv * nsplit * bq * (bd + 2):], cnt,
+        t_cap, hq, hkv, d, keys_per_split, scale * 1.4426950408889634, nsplit, ngroup,
+        M=m, HG=hg, BQ=bq, BD=bd, BT=bt, GSIZE=gsize, NGROUPP=next_pow2(ngroup), CH=ch, CHG=chg,
+        HAS_SLOTS=slots is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
