@@ -196,7 +196,7 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None, *
     gsize = cfg.get("GROUP") or next_pow2(math.ceil(math.sqrt(nsplit)))
     ngroup = triton.cdiv(nsplit, gsize)
     # chunk of partials merged per step: about 8K fp32 values in flight per program
-    ch = max(1, min(gsize, 8192 // (bq * bd)))
+    ch = cfg.get("CH") or max(1, min(gsize, 8192 // (bq * bd)))
     chg = max(1, min(next_pow2(ngroup), 8192 // (bq * bd)))
     scale = d**-0.5 if scale is None else scale
     if out is None:
