@@ -93,3 +93,11 @@ def sum_splits(ptr, split_stride, offs, mask, SPLIT, SPLITP: tl.constexpr, CHUNK
                        mask=(s < SPLIT)[:, None, None] & mask[None, :, :], other=0, cache_modifier=".cg")
         acc += tl.sum(part, axis=0)
     return acc
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of `device` (4 under the interpreter or off CUDA: small test grids)."""
+    device = torch.device(device)
+    if INTERPRET or device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -26,8 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, arrive, counters_for, next_pow2, reset
-from .int4_gemv import _sm_count
+from ._common import INTERPRET, arrive, counters_for, next_pow2, reset, sm_count
 
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, scale: float | None = None, *, slots=None) -> torch.Tensor:
@@ -190,7 +189,7 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None, *
     bt = cfg["BT"]
     max_len = t_cap if max_len is None else min(max_len, t_cap)
     blocks = triton.cdiv(max(max_len, 1), bt)
-    nsplit = cfg.get("NSPLIT") or max(1, min(blocks, math.ceil(_sm_count(q.device) * cfg.get("programs_per_sm", 1.0) / (bsz * hkv))))
+    nsplit = cfg.get("NSPLIT") or max(1, min(blocks, math.ceil(sm_count(q.device) * cfg.get("programs_per_sm", 1.0) / (bsz * hkv))))
     keys_per_split = triton.cdiv(blocks, nsplit) * bt
     nsplit = triton.cdiv(max(max_len, 1), keys_per_split)
     gsize = cfg.get("GROUP") or next_pow2(math.ceil(math.sqrt(nsplit)))
