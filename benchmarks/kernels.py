@@ -167,17 +167,13 @@ def bench_int4_dense(b: Bench, quick: bool):
             def make(cfg, x=x, sets=sets):
                 return Rotor(lambda qw, qz, sc: int4_matmul(x, qw, qz, sc, 128, sym=True, config=cfg), sets)
 
-            if b.sweep and name in ("gdn.in_proj_qkv", "gdn.out_proj") and m != 2:
-                cfgs = [("fma BN256 R8 w2 pps4", {"mma": False, "BN": 256, "ROWS": 8, "num_warps": 2}),
-                        ("fma BN256 R8 w2 pps8", {"mma": False, "BN": 256, "ROWS": 8, "num_warps": 2, "programs_per_sm": 8}),
-                        ("fma BN512 R8 w4 pps4", {"mma": False, "BN": 512, "ROWS": 8, "num_warps": 4}),
-                        ("fma BN512 R8 w4 pps8", {"mma": False, "BN": 512, "ROWS": 8, "num_warps": 4, "programs_per_sm": 8}),
-                        ("fma BN128 R8 w1 pps8", {"mma": False, "BN": 128, "ROWS": 8, "num_warps": 1, "programs_per_sm": 8}),
-                        ("mma BN64 R16 w4 pps4", {"mma": True, "BN": 64, "ROWS": 16, "num_warps": 4}),
-                        ("mma BN64 R16 w4 pps8", {"mma": True, "BN": 64, "ROWS": 16, "num_warps": 4, "programs_per_sm": 8}),
-                        ("mma BN128 R16 w8 pps4", {"mma": True, "BN": 128, "ROWS": 16, "num_warps": 8})]
-                if m == 4:
-                    cfgs = [c for c in cfgs if c[0].startswith("mma") or c[0] == "fma BN512 R8 w4 pps8"]
+            if b.sweep:
+                cfgs = [("lanes (before: run-2 default path)", {"tc": False})]
+                if name in ("gdn.in_proj_qkv", "gdn.out_proj") and m != 2:
+                    cfgs += [(f"tc WN{wn} KW{kw} pps{pps}" + (f" r{reg}" if reg else ""),
+                              {"WN": wn, "KW": kw, "programs_per_sm": pps, **({"maxnreg": reg} if reg else {})})
+                             for wn, kw, pps, reg in [(4, 1, 4, 0), (4, 1, 8, 0), (4, 1, 2, 0), (2, 1, 8, 0), (2, 2, 4, 0),
+                                                      (8, 1, 2, 0), (4, 2, 2, 0), (1, 4, 4, 0), (4, 1, 4, 128), (2, 1, 8, 128)]]
                 b.try_configs("int4_gemv", shape, nbytes, make, cfgs)
             t = median_us(make(None))
             base = median_us(Rotor(lambda w: F.linear(x, w), [(w,) for w in dense]))
@@ -219,18 +215,13 @@ def bench_experts(b: Bench, quick: bool):
         def make_dn(cfg):
             return Rotor(lambda ids: experts_down(act, ids, w, *down, 128, sym=True, config=cfg), [(r,) for r in routings])
 
-        if b.sweep and t_tokens != 2:
-            if t_tokens == 1:
-                cfgs = [("fma BN128 R8 w1 pps4", {"mma": False, "BN": 128, "ROWS": 8, "num_warps": 1}),
-                        ("fma BN128 R8 w1 pps8", {"mma": False, "BN": 128, "ROWS": 8, "num_warps": 1, "programs_per_sm": 8}),
-                        ("fma BN128 R8 w1 pps16", {"mma": False, "BN": 128, "ROWS": 8, "num_warps": 1, "programs_per_sm": 16}),
-                        ("fma BN256 R8 w2 pps8", {"mma": False, "BN": 256, "ROWS": 8, "num_warps": 2, "programs_per_sm": 8}),
-                        ("fma BN128 R4 w1 pps16", {"mma": False, "BN": 128, "ROWS": 4, "num_warps": 1, "programs_per_sm": 16})]
-            else:
-                cfgs = [("mma BN64 R16 w4 pps4", {"mma": True, "BN": 64, "ROWS": 16, "num_warps": 4}),
-                        ("mma BN64 R16 w4 pps8", {"mma": True, "BN": 64, "ROWS": 16, "num_warps": 4, "programs_per_sm": 8}),
-                        ("mma BN32 R16 w2 pps8", {"mma": True, "BN": 32, "ROWS": 16, "num_warps": 2, "programs_per_sm": 8}),
-                        ("fma BN128 R4 w1 pps8", {"mma": False, "BN": 128, "ROWS": 4, "num_warps": 1, "programs_per_sm": 8})]
+        if b.sweep:
+            cfgs = [("lanes (before: run-2 default path)", {"tc": False})]
+            if t_tokens != 2:
+                cfgs += [(f"tc WN{wn} KW{kw} pps{pps}" + (f" r{reg}" if reg else ""),
+                          {"WN": wn, "KW": kw, "programs_per_sm": pps, **({"maxnreg": reg} if reg else {})})
+                         for wn, kw, pps, reg in [(2, 1, 4, 0), (2, 1, 8, 0), (2, 1, 2, 0), (4, 1, 4, 0), (4, 1, 2, 0),
+                                                  (1, 2, 8, 0), (2, 2, 4, 0), (1, 1, 8, 0), (2, 1, 4, 168), (4, 1, 4, 128)]]
             b.try_configs("experts_gate_up", shape_gu, gu_total, make_gu, cfgs)
             b.try_configs("experts_down", shape_dn, dn_total, make_dn, cfgs)
         # baseline: the same experts as BF16, pre-gathered, one cuBLAS batched GEMV (bmm)
@@ -268,10 +259,13 @@ def bench_fp8(b: Bench, quick: bool):
 
             if b.sweep:
                 b.try_configs("fp8_gemv", shape, nbytes, make, [
-                    ("BN16 BK128 w4", {"BN": 16, "BK": 128, "num_warps": 4}),
-                    ("BN32 BK128 w4", {"BN": 32, "BK": 128, "num_warps": 4}),
-                    ("BN8 BK128 w2", {"BN": 8, "BK": 128, "num_warps": 2}),
+                    ("BN8 BK128 w2 pps4", {"BN": 8, "BK": 128, "num_warps": 2, "programs_per_sm": 4}),
                     ("BN8 BK128 w2 pps8", {"BN": 8, "BK": 128, "num_warps": 2, "programs_per_sm": 8}),
+                    ("BN8 BK128 w2 pps16", {"BN": 8, "BK": 128, "num_warps": 2, "programs_per_sm": 16}),
+                    ("BN4 BK128 w1 pps16", {"BN": 4, "BK": 128, "num_warps": 1, "programs_per_sm": 16}),
+                    ("BN8 BK128 w1 pps16", {"BN": 8, "BK": 128, "num_warps": 1, "programs_per_sm": 16}),
+                    ("BN16 BK128 w4 pps8", {"BN": 16, "BK": 128, "num_warps": 4, "programs_per_sm": 8}),
+                    ("BN8 BK128 w2 pps8 st2", {"BN": 8, "BK": 128, "num_warps": 2, "programs_per_sm": 8, "num_stages": 2}),
                 ])
             t = median_us(make(None))
             base = median_us(Rotor(lambda w: F.linear(x, w), [(w,) for w in dense]))

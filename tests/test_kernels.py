@@ -94,6 +94,54 @@ def test_int4_matmul_interpreter(m, n, k, group, sym, config):
     check_int4(m, n, k, group, sym, torch.float32 if m % 2 else torch.float16, "cpu", config, tol=2e-3)
 
 
+@cpu
+@pytest.mark.parametrize("m,n,k,sym,config", [
+    (1, 64, 256, True, None),                      # one column tile per warp, 2 groups on 2 warp rows
+    (2, 96, 384, False, {"SPLIT_K": 2}),           # asymmetric zeros, split K, KW lowered to divide 3 groups
+    (4, 64, 512, True, {"KW": 1, "SPLIT_K": 3}),   # uneven split (odd number of steps in a split)
+    (3, 64, 256, False, {"WN": 2, "KW": 1}),       # two 32-column blocks per program
+])
+def test_int4_tc_interpreter(m, n, k, sym, config):
+    """The tensor-core path (int4_tc) with its per-thread asm emulated in plain Triton: loads, column map, split K."""
+    check_int4(m, n, k, 128, sym, torch.float16, "cpu", config, tol=2e-3)
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_int4_tc_asm_fragments(bf16):
+    """int4_tc's PTX, run lane by lane in numpy (mma.m16n8k16 fragment layout from the PTX ISA), is the plain formula."""
+    np = pytest.importorskip("numpy")
+    from roofline.kernels.int4_tc import simulate_group_asm
+
+    rng = np.random.default_rng(7)
+    mb = 128.0 if bf16 else 1024.0
+    w = rng.integers(0, 16, size=(128, 32))  # one group: [k, column]
+    x = torch.randn(8, 128).to(torch.bfloat16 if bf16 else torch.float16)
+    bits = x.view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    q = np.zeros((4, 8, 4, 4), np.int64)
+    xr = np.zeros((4, 8, 4, 4), np.int64)
+    for s in range(4):
+        for g in range(8):
+            for t in range(4):
+                kp = 4 * s + t
+                for v in range(4):
+                    q[s, g, t, v] = sum(int(w[8 * kp + j, 4 * g + v]) << (4 * j) for j in range(8))
+                    xr[s, g, t, v] = int(bits[g, 8 * kp + 2 * v]) | (int(bits[g, 8 * kp + 2 * v + 1]) << 16)
+    q = np.where(q >= 2**31, q - 2**32, q).astype(np.int32)
+    xr = np.where(xr >= 2**31, xr - 2**32, xr).astype(np.int32)
+    scale = rng.random(32).astype(np.float32) * 0.1
+    zero = rng.integers(1, 17, size=32).astype(np.float32)
+    cols = 4 * np.arange(8)[:, None, None] + np.arange(4)[None, None, :] + 0 * np.arange(4)[None, :, None]  # [g, t, v]
+    sz = np.stack([scale[cols], -(mb + zero[cols]), np.full(cols.shape, 7.0), np.full(cols.shape, -3.0)]).astype(np.float32)
+    y = rng.standard_normal((4, 8, 4, 4)).astype(np.float32)
+    out = simulate_group_asm(q, xr, sz, y, bf16)
+    ref = x.float().numpy() @ ((w - zero) * scale)  # [token, column]
+    expect = y.copy()
+    tok = 2 * np.arange(4)[None, :, None] + 0 * cols  # token 2t (+1 for h = 1)
+    expect[0] += ref[tok, cols]
+    expect[1] += ref[tok + 1, cols]
+    np.testing.assert_allclose(out, expect, rtol=0, atol=1e-4 * np.abs(ref).max())
+
+
 @gpu
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k", [(12288, 3072), (3072, 8192), (512, 3072), (3080, 1024)])
@@ -102,10 +150,17 @@ def test_int4_matmul_gpu(m, n, k):
 
 
 @gpu
-@pytest.mark.parametrize("mma", [False, True])
+@pytest.mark.parametrize("config", [{"tc": False}, {"mma": True}, None, {"WN": 2, "KW": 2, "SPLIT_K": 5}])
 @pytest.mark.parametrize("m", [1, 4])
-def test_int4_matmul_gpu_paths(m, mma):
-    check_int4(m, 8192, 3072, 128, False, torch.bfloat16, GPU, config={"mma": mma})
+def test_int4_matmul_gpu_paths(m, config):
+    """Lanes path, its tensor-core variant, and the int4_tc path (default), asymmetric zeros."""
+    check_int4(m, 8192, 3072, 128, False, torch.bfloat16, GPU, config=config)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 3])
+def test_int4_matmul_gpu_fp16(m):
+    check_int4(m, 4096, 3072, 128, False, torch.float16, GPU)
 
 
 # ---------------------------------------------------------------- grouped INT4 experts
@@ -145,6 +200,16 @@ def test_experts_interpreter(t, config):
     check_experts(t, 6, 64, 48, 3, 16, torch.float32 if t % 2 else torch.float16, "cpu", config, tol=2e-3)
 
 
+@cpu
+@pytest.mark.parametrize("t,config", [
+    (1, None),
+    (3, {"SPLIT_K": 2}),   # shared experts among tokens, split K
+])
+def test_experts_tc_interpreter(t, config):
+    """The grouped experts on the int4_tc path (group 128, fp16), asm emulated."""
+    check_experts(t, 6, 256, 128, 3, 128, torch.float16, "cpu", config, tol=2e-3)
+
+
 @gpu
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 12])
 def test_experts_gpu(t):
@@ -156,6 +221,9 @@ def test_experts_gpu_split_and_mma():
     check_experts(4, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"mma": True, "SPLIT_K": 3})
     check_experts(3, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"mma": False, "SPLIT_K": 1})
     check_experts(4, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"mma": False})
+    check_experts(1, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": False})
+    check_experts(3, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"WN": 4, "KW": 2, "SPLIT_K": 1})
+    check_experts(16, 64, 3072, 1024, 8, 128, torch.float16, GPU, config={"WN": 1, "KW": 4, "SPLIT_K": 5})
 
 
 def test_experts_reference_matches_model():

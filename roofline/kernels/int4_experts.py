@@ -26,7 +26,17 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET, arrive, counters_for, next_pow2, reset, sum_splits
-from .int4_gemv import MAGIC, _launch_geometry, int4_group_dot, int4_group_mma, int4_matmul_reference, is_symmetric, rows_per_step
+from .int4_gemv import (
+    MAGIC,
+    _launch_geometry,
+    int4_group_dot,
+    int4_group_mma,
+    int4_matmul_reference,
+    is_symmetric,
+    rows_per_step,
+    use_tc,
+)
+from .int4_tc import GROUP, default_tc_config, launch_options, tc_geometry, tc_groups, tc_supported
 
 
 def experts_gate_up_reference(x, ids, qweight, qzeros, scales, group_size: int = 128) -> torch.Tensor:
@@ -223,7 +233,7 @@ def _config(t: int, n: int, group_size: int, config: dict | None) -> dict:
         # programs need ~8 per SM to cover the dequantisation's latency (H200 sweep: gate_up 23.7 -> 17.1 us)
         cfg = {"BN": 128, "ROWS": rows_per_step(group_size, 8 if t == 1 else 4), "num_warps": 1, "programs_per_sm": 8}
     cfg["mma"] = mma
-    cfg.update(config or {})
+    cfg.update({key: val for key, val in (config or {}).items() if key != "tc"})
     return cfg
 
 
@@ -239,6 +249,8 @@ def experts_gate_up(x: torch.Tensor, ids: torch.Tensor, qweight, qzeros, scales,
     inter = qweight.shape[-1] // 2
     if sym is None:
         sym = is_symmetric(qzeros)
+    if _tc_path(x, inter, k, group_size, t, config, (qweight, qzeros, scales)):
+        return _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, counters)
     cfg = _config(t, inter, group_size, config)
     ch = _chunk(t, cfg["mma"])
     chunks = triton.cdiv(t, ch)
@@ -263,6 +275,8 @@ def experts_down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qw
     h = qweight.shape[-1]
     if sym is None:
         sym = is_symmetric(qzeros)
+    if _tc_path(act, h, inter, group_size, t, config, (qweight, qzeros, scales)):
+        return _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters)
     cfg = _config(t, h, group_size, config)
     ch = _chunk(t, cfg["mma"])
     chunks = triton.cdiv(t, ch)
@@ -277,5 +291,201 @@ def experts_down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qw
         t, inter, h, kp_per_split, MAGIC,
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, GROUP=group_size, BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym),
         SPLIT_K=split, SPLITP=next_pow2(split), USE_MMA=bool(cfg["mma"]), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+    )
+    return out
+
+
+# ------------------------------------------------------------------ tensor-core path (int4_tc)
+
+
+@triton.jit
+def _rows_of(vals, rsel, CH: tl.constexpr):
+    """vals[rsel] for a [CH] vector and a [4, 1, 4, 1] index tensor (rsel >= CH reads 0)."""
+    rr = tl.arange(0, CH)[None, None, None, None, :]
+    return tl.sum(tl.where(rsel[:, :, :, :, None] == rr, vals[None, None, None, None, :], 0), axis=4)
+
+
+@triton.jit
+def _chunk_xrow(row_words, routed, WN: tl.constexpr, CH: tl.constexpr):
+    """[1, 1, G, 1, 1] x word offsets of chunk row gi % 8 (row 0 of x where the row is absent or not routed)."""
+    G: tl.constexpr = 8 * WN
+    g8 = tl.arange(0, G) % 8
+    rr = tl.arange(0, CH)
+    xrow = tl.sum(tl.where(g8[:, None] == rr[None, :], tl.where(routed, row_words, 0)[None, :], 0), axis=1)
+    return tl.multiple_of(xrow, 16)[None, None, :, None, None]
+
+
+@triton.jit
+def _gate_up_tc_kernel(
+    x32_ptr, ids_ptr, qw_ptr, qz_ptr, sc_ptr, act_ptr, ws_ptr, cnt_ptr,
+    T, K2, I, GROUPS, GPS, QW_E, QZ_E, SC_E,
+    TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
+    SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
+):
+    G: tl.constexpr = 8 * WN
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    SLOTS = CH * TOPK
+    chunk = pid_s // SLOTS
+    slot = pid_s % SLOTS
+    is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
+    if is_owner:
+        e64 = e.to(tl.int64)
+        colbase = pid_n * (32 * WN)
+        xrow = _chunk_xrow(tok * K2, routed, WN, CH)
+        g_start = pid_k * GPS
+        g_end = tl.minimum(g_start + GPS, GROUPS)
+        gate, up = tc_groups(x32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E, colbase, I,
+                             2 * I, g_start, g_end, KW, G, SYM, BF16, True, EMULATE)
+        gate = tl.sum(gate, axis=1)  # [4, G, 4, 4]: (h, gi, t, v) = chunk row 2t + h, column colbase + 4 gi + v
+        up = tl.sum(up, axis=1)
+        s = tl.arange(0, 4)[:, None, None, None]
+        g4 = tl.arange(0, G)[None, :, None, None]
+        t = tl.arange(0, 4)[None, None, :, None]
+        v = tl.arange(0, 4)[None, None, None, :]
+        col = colbase + 4 * g4 + v
+        r = tl.where(s < 2, 2 * t + s, CH)  # chunk row (CH: none)
+        row = _rows_of(tok * TOPK + choice, r, CH)  # (token, choice) row of act
+        omask = (_rows_of(routed.to(tl.int32), r, CH) > 0) & (col < I)
+        if SPLIT_K == 1:
+            act = gate / (1.0 + tl.exp(-gate)) * up
+            tl.store(act_ptr + row * I + col, act.to(act_ptr.dtype.element_ty), mask=omask)
+        else:
+            # workspace [SPLIT_K, T*TOPK, 2, I]
+            base = ws_ptr + pid_k * (T * TOPK * 2 * I) + row * (2 * I) + col
+            tl.store(base, gate, mask=omask)
+            tl.store(base + I, up, mask=omask)
+            cnt = cnt_ptr + pid_s * tl.num_programs(0) + pid_n
+            if arrive(cnt, SPLIT_K):
+                g = tl.zeros([4, G, 4, 4], dtype=tl.float32)
+                u = tl.zeros([4, G, 4, 4], dtype=tl.float32)
+                offs = row * (2 * I) + col
+                for c in tl.static_range(0, SPLITP, 4):  # 4 splits' partials loaded together
+                    sp = c + tl.arange(0, 4)[:, None, None, None, None]
+                    m5 = (sp < SPLIT_K) & omask[None]
+                    g += tl.sum(tl.load(ws_ptr + sp * (T * TOPK * 2 * I) + offs[None], mask=m5, other=0,
+                                        cache_modifier=".cg"), axis=0)
+                    u += tl.sum(tl.load(ws_ptr + sp * (T * TOPK * 2 * I) + I + offs[None], mask=m5, other=0,
+                                        cache_modifier=".cg"), axis=0)
+                act = g / (1.0 + tl.exp(-g)) * u
+                tl.store(act_ptr + row * I + col, act.to(act_ptr.dtype.element_ty), mask=omask)
+                reset(cnt)
+
+
+@triton.jit
+def _down_tc_kernel(
+    act32_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr,
+    T, I2, H, GROUPS, GPS, QW_E, QZ_E, SC_E,
+    TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
+    SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
+):
+    G: tl.constexpr = 8 * WN
+    BN: tl.constexpr = 32 * WN
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    SLOTS = CH * TOPK
+    chunk = pid_s // SLOTS
+    slot = pid_s % SLOTS
+    colbase = pid_n * BN
+    is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
+    row = tok * TOPK + choice  # [CH] rows of act / routing weights
+    if is_owner:
+        e64 = e.to(tl.int64)
+        xrow = _chunk_xrow(row * I2, routed, WN, CH)
+        g_start = pid_k * GPS
+        g_end = tl.minimum(g_start + GPS, GROUPS)
+        y, _ = tc_groups(act32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E, colbase, 0,
+                         H, g_start, g_end, KW, G, SYM, BF16, False, EMULATE)
+        y = tl.sum(y, axis=1)
+        s = tl.arange(0, 4)[:, None, None, None]
+        g4 = tl.arange(0, G)[None, :, None, None]
+        t = tl.arange(0, 4)[None, None, :, None]
+        v = tl.arange(0, 4)[None, None, None, :]
+        col = colbase + 4 * g4 + v
+        r = tl.where(s < 2, 2 * t + s, CH)
+        rows = _rows_of(row, r, CH)
+        omask = (_rows_of(routed.to(tl.int32), r, CH) > 0) & (col < H)
+        w = tl.load(wts_ptr + rows, mask=omask, other=0).to(tl.float32)
+        # workspace [SPLIT_K, T*TOPK, H]
+        tl.store(ws_ptr + pid_k * (T * TOPK * H) + rows * H + col, y * w, mask=omask)
+    # every program of this (chunk, column tile) arrives; the last sums choices and splits in order
+    n_offs = colbase + tl.arange(0, BN)
+    n_mask = n_offs < H
+    cnt = cnt_ptr + chunk * tl.num_programs(0) + pid_n
+    if arrive(cnt, SLOTS * SPLIT_K):
+        rr = tl.arange(0, CH)
+        toks = chunk * CH + rr
+        tmask = (toks < T)[:, None] & n_mask[None, :]
+        total = tl.zeros([CH, BN], dtype=tl.float32)
+        for j in tl.static_range(TOPK):  # all k choices' partials are loaded together
+            total += sum_splits(ws_ptr, T * TOPK * H, (toks * TOPK + j)[:, None] * H + n_offs[None, :], tmask,
+                                SPLIT_K, SPLITP, 2)
+        tl.store(out_ptr + toks[:, None] * H + n_offs[None, :], total.to(out_ptr.dtype.element_ty), mask=tmask)
+        reset(cnt)
+
+
+def _tc_expert_config(t: int, config: dict | None) -> dict:
+    cfg = dict(default_tc_config(t, 0, 0))
+    if not INTERPRET:
+        cfg = {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
+    cfg.update(config or {})
+    return cfg
+
+
+def _tc_path(x, n: int, k: int, group_size: int, t: int, config, weights) -> bool:
+    """Whether the experts take the int4_tc path: up to 16 tokens (chunks of 8), its shape and alignment rules
+    (int4_tc.tc_supported), and per-expert strides that keep 16-byte alignment (Triton specialises
+    integer arguments divisible by 16)."""
+    if not use_tc(config) or t > 16 or not x.is_contiguous() or any(w[0].numel() % 16 for w in weights):
+        return False
+    return tc_supported(x, n, k, group_size, _tc_expert_config(t, config)["WN"], weights)
+
+
+def _tc_chunk(t: int) -> int:
+    return min(8, next_pow2(t))
+
+
+def _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, counters):
+    t, k = x.shape
+    topk = ids.shape[1]
+    inter = qweight.shape[-1] // 2
+    cfg = _tc_expert_config(t, config)
+    ch = _tc_chunk(t)
+    chunks = triton.cdiv(t, ch)
+    slots = ch * topk
+    tiles, split, gps = tc_geometry(inter, k, cfg, x.device, tiles_extra=min(t * topk, slots * chunks))
+    act = torch.empty(t, topk, inter, dtype=x.dtype, device=x.device) if out is None else out
+    ws = torch.empty(split if split > 1 else 1, t * topk, 2, inter, dtype=torch.float32, device=x.device)
+    cnt = counters if counters is not None else counters_for("experts_gate_up_tc", tiles * chunks * slots, x.device)
+    _gate_up_tc_kernel[(tiles, chunks * slots, split)](
+        x.contiguous().view(torch.int32), ids.contiguous(), qweight, qzeros, scales, act, ws, cnt,
+        t, k // 2, inter, k // GROUP, gps, qweight[0].numel(), qzeros[0].numel(), scales[0].numel(),
+        TOPK=topk, TOPKP=next_pow2(topk), CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
+        BF16=x.dtype == torch.bfloat16, SPLIT_K=split, SPLITP=max(4, next_pow2(split)), EMULATE=INTERPRET,
+        num_warps=cfg["WN"] * cfg["KW"], num_stages=1, **launch_options(cfg),
+    )
+    return act
+
+
+def _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters):
+    t, topk, inter = act.shape
+    h = qweight.shape[-1]
+    cfg = _tc_expert_config(t, config)
+    ch = _tc_chunk(t)
+    chunks = triton.cdiv(t, ch)
+    slots = ch * topk
+    tiles, split, gps = tc_geometry(h, inter, cfg, act.device, tiles_extra=min(t * topk, slots * chunks))
+    if out is None:
+        out = torch.empty(t, h, dtype=act.dtype, device=act.device)
+    ws = torch.empty(split, t * topk, h, dtype=torch.float32, device=act.device)
+    cnt = counters if counters is not None else counters_for("experts_down_tc", tiles * chunks, act.device)
+    _down_tc_kernel[(tiles, chunks * slots, split)](
+        act.contiguous().view(torch.int32), ids.contiguous(), weights.contiguous(), qweight, qzeros, scales, out, ws,
+        cnt, t, inter // 2, h, inter // GROUP, gps, qweight[0].numel(), qzeros[0].numel(), scales[0].numel(),
+        TOPK=topk, TOPKP=next_pow2(topk), CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
+        BF16=act.dtype == torch.bfloat16, SPLIT_K=split, SPLITP=next_pow2(split), EMULATE=INTERPRET,
+        num_warps=cfg["WN"] * cfg["KW"], num_stages=1, **launch_options(cfg),
     )
     return out

@@ -293,6 +293,14 @@ def _launch_geometry(n, k, cfg, device, tiles_extra: int = 1):
     return tiles, split, kp_per_split
 
 
+def use_tc(config: dict | None) -> bool:
+    """Whether a call may take the tensor-core path: config "tc" if given, else unless it names a lanes-path setting."""
+    config = config or {}
+    if "tc" in config:
+        return bool(config["tc"])
+    return not ({"mma", "BN", "ROWS"} & config.keys())
+
+
 def int4_matmul(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128, *, sym: bool | None = None, out=None,
                 config: dict | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T for x [..., K] with at most 4 rows, W in the GPTQ layout; y in x's dtype."""
@@ -304,8 +312,14 @@ def int4_matmul(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128,
         raise ValueError(f"INT4 [{n}, {k}]: K must be divisible by the group size {group_size}, N by 8")
     if sym is None:
         sym = is_symmetric(qzeros)
+    if use_tc(config):  # the tensor-core path (int4_tc) where it applies; the lanes path below otherwise
+        from .int4_tc import default_tc_config, int4_matmul_tc, tc_supported
+
+        wn = (config or {}).get("WN", default_tc_config(m, n, k)["WN"])
+        if tc_supported(x2, n, k, group_size, wn, (qweight, qzeros, scales)):
+            return int4_matmul_tc(x, qweight, qzeros, scales, sym=sym, out=out, config=config, counters=counters)
     cfg = default_config(m, n, k, group_size)
-    cfg.update(config or {})
+    cfg.update({key: val for key, val in (config or {}).items() if key != "tc"})
     if group_size % (8 * cfg["ROWS"]):
         raise ValueError(f"ROWS={cfg['ROWS']}: 8*ROWS must divide the group size {group_size}")
     tiles, split, kp_per_split = _launch_geometry(n, k, cfg, x.device)

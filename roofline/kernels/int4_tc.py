@@ -1,0 +1,519 @@
+"""INT4 GEMV on the tensor cores with 16-bit dequantisation: the decode fast path (CUDA, x in bf16/fp16).
+
+Reads the published GPTQ layout as it is (no repack; see roofline.quant.int4):
+  qweight int32 [K/8, N], qzeros int32 [K/g, N/8], scales fp16 [K/g, N], group g = 128.
+
+Why: the per-lane FMA path (int4_gemv.int4_group_dot) spends ~36 instructions per packed int32
+(8 weights), which caps it well under the memory bandwidth. Here a packed word costs ~14:
+
+- Unpack, two weights per instruction: `((w >> 4i) & 0x000F000F) | MAGIC` read as two 16-bit
+  floats is (MB + q_i, MB + q_{i+4}) exactly (MB = 128 for bf16, 1024 for fp16): 3 shifts and 4
+  LOP3 per word.
+- Multiply on the tensor cores, `mma.sync.m16n8k16` with fp32 accumulation: 16 weight columns x
+  16 k as the A operand, x as B (16 k x 8 token columns; up to 8 tokens, absent ones discarded).
+  Two packed words (two columns, 8 k each) are exactly one thread's A fragment for two mma
+  k-halves, so the unpacked pairs go straight into the mma registers: no shared-memory round
+  trip, no register copies (checked in the SASS: 14 instructions per packed word in the loop).
+- The bias MB + zero is not subtracted per weight: sum_k (MB + q) x = sum_k (q - zero) x +
+  (MB + zero) sum_k x, and sum_k x over the group comes from one extra mma with A = ones per
+  k-half (shared by all column tiles). Per group and column: y += scale * (acc - (MB + zero) *
+  sum_x), two FMAs. Products are exact (16-bit x 16-bit in fp32); the cancellation costs a few
+  of fp32's 24 bits.
+
+How the data meets the mma fragments without a repack. The weights of one step (a quantisation
+group per warp row) are loaded as a [4 (s), KW, G, 4 (t), 4 (v)] int32 tensor: element
+(s, kw, gi, t, v) is packed row 16 * group(kw) + 4 s + t, column colbase + 4 gi + v. Triton's
+coalescing gives it the blocked layout sizePerThread [1,1,1,1,4] (one 16-byte vector along v),
+lanes along t then gi, warps along gi then kw, s in registers: lane l holds t = l % 4,
+gi % 8 = l // 4, which is mma's (groupID, threadID_in_group) = (l >> 2, l & 3). All threads
+with the same t hold the same packed row, so mma k-slots {2t, 2t+1, 2t+8, 2t+9} map to one set of
+k for the whole warp (nibbles (0, 4), (1, 5) for the first k-half, (2, 6), (3, 7) for the second);
+tile p takes words 2p (A row g) and 2p + 1 (A row g + 8). The C fragment of lane (g, t) then holds
+its own columns 4 gi + v for tokens 2t and 2t + 1. x is loaded as raw 32-bit words in the same
+shape (element (s, .., gi, t, w) = words 4 kp + w of token gi % 8) and paired into (x_j, x_{j+4})
+by PRMT. The layout is checked where it matters: `pack=16` fails to compile unless each thread
+holds 16 elements, the GPU tests compare with the reference, and tests/test_kernels.py runs the
+generated PTX through a lane-level simulator (`simulate_group_asm`) against the plain formula.
+
+Under TRITON_INTERPRET=1 (no inline assembly) `emulate_group` computes the same per-element
+result in plain Triton, so the CPU tests cover the loads, the column map, split-K and the
+experts' routing; the asm itself is covered by the simulator test and the GPU tests.
+
+Portability: plain PTX (mma.sync m16n8k16 bf16/f16, lop3, prmt), sm_80 and newer (H200 sm_90,
+DGX Spark sm_121); registers only, no shared memory beyond Triton's cross-warp reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, reset
+
+GROUP = 128  # the path handles group size 128 (the published checkpoints); others use int4_gemv's lanes path
+
+
+def _gen_asm(bf16: bool) -> str:
+    """PTX for one thread and one quantisation group: 4 k-steps x 2 weight tiles x 2 k-halves, then the epilogue.
+
+    mma.m16n8k16 with the weights as A (16 columns x 16 k) and x as B (16 k x 8 tokens). Thread
+    (g, t) = (lane >> 2, lane & 3) holds, per k-step s, words v = 0..3 of packed row 4 s + t at
+    columns 4 gi + v. Tile p takes words 2p (A row g) and 2p + 1 (A row g + 8); k-half h takes
+    nibble pairs (2h, 2h + 4) and (2h + 1, 2h + 5), so the A quad is four fresh LOP3 results and
+    the B pair two PRMTs of x: no register copies. C row g / g + 8 is the thread's own column
+    4 gi + 2p / + 1; C columns are tokens 2t and 2t + 1.
+
+    Operands (pack=16, thread element e = 4 s + v):
+      $0..$15  y out (tied to $64..$79): e = 4 h + v is token 2t + h at column 4 gi + v (h < 2)
+      $16..$31 q: packed word of k-step s, column 4 gi + v
+      $32..$47 x: raw 32-bit words, e = 4 s + w holds x[8 kp + 2w], x[8 kp + 2w + 1] of token g
+      $48..$63 sz: e = v the scale of column v, e = 4 + v -(MB + zero) of column v
+    """
+    magic = "0x43004300" if bf16 else "0x64006400"
+    one = "0x3F803F80" if bf16 else "0x3C003C00"
+    ty = "bf16" if bf16 else "f16"
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32"
+    zero4 = "{0f00000000, 0f00000000, 0f00000000, 0f00000000}"
+    lines = [
+        "{",
+        ".reg .b32 rw<3>, rp<32>, rb<16>, ro<4>;",
+        ".reg .f32 rc<8>, rs<4>, rt;",
+    ] + [f"mov.b32 ro{i}, {one};" for i in range(4)]
+    for s in range(4):
+        x = [f"${32 + 4 * s + w}" for w in range(4)]
+        b = [f"rb{4 * s + i}" for i in range(4)]
+        lines += [
+            f"prmt.b32 {b[0]}, {x[0]}, {x[2]}, 0x5410;",  # (x0, x4)
+            f"prmt.b32 {b[1]}, {x[0]}, {x[2]}, 0x7632;",  # (x1, x5)
+            f"prmt.b32 {b[2]}, {x[1]}, {x[3]}, 0x5410;",  # (x2, x6)
+            f"prmt.b32 {b[3]}, {x[1]}, {x[3]}, 0x7632;",  # (x3, x7)
+        ]
+        b_lo = f"{{{b[0]}, {b[1]}}}"
+        b_hi = f"{{{b[2]}, {b[3]}}}"
+        sx = "{rs0, rs1, rs2, rs3}"
+        ones = "{ro0, ro1, ro2, ro3}"
+        lines += [
+            f"{mma} {sx}, {ones}, {b_lo}, {zero4 if s == 0 else sx};",
+            f"{mma} {sx}, {ones}, {b_hi}, {sx};",
+        ]
+        p = {}
+        for v in range(4):
+            q = f"${16 + 4 * s + v}"
+            r = [f"rp{8 * (s % 2) + 4 * v + i}" for i in range(4)]  # (q0,q4), (q1,q5), (q2,q6), (q3,q7)
+            p[v] = r
+            lines += [
+                f"shr.u32 rw0, {q}, 4;",
+                f"shr.u32 rw1, {q}, 8;",
+                f"shr.u32 rw2, {q}, 12;",
+                f"lop3.b32 {r[0]}, {q}, 0x000F000F, {magic}, 0xEA;",
+                f"lop3.b32 {r[1]}, rw0, 0x000F000F, {magic}, 0xEA;",
+                f"lop3.b32 {r[2]}, rw1, 0x000F000F, {magic}, 0xEA;",
+                f"lop3.b32 {r[3]}, rw2, 0x000F000F, {magic}, 0xEA;",
+            ]
+        for tile in range(2):
+            w0, w1 = p[2 * tile], p[2 * tile + 1]
+            c = f"{{rc{4 * tile}, rc{4 * tile + 1}, rc{4 * tile + 2}, rc{4 * tile + 3}}}"
+            a_lo = f"{{{w0[0]}, {w1[0]}, {w0[1]}, {w1[1]}}}"  # k slots (2t, 2t+1) = nibbles (0, 4); (2t+8, 2t+9) = (1, 5)
+            a_hi = f"{{{w0[2]}, {w1[2]}, {w0[3]}, {w1[3]}}}"
+            lines += [
+                f"{mma} {c}, {a_lo}, {b_lo}, {zero4 if s == 0 else c};",
+                f"{mma} {c}, {a_hi}, {b_hi}, {c};",
+            ]
+    for v in range(4):
+        tile, row = divmod(v, 2)
+        for h in range(2):
+            e = 4 * h + v
+            lines += [
+                f"fma.rn.f32 rt, ${48 + 4 + v}, rs{h}, rc{4 * tile + 2 * row + h};",  # acc - (MB + zero) * sum_x
+                f"fma.rn.f32 ${e}, ${48 + v}, rt, ${e};",  # y += scale * (...)
+            ]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+ASM_BF16 = tl.constexpr(_gen_asm(True))
+ASM_F16 = tl.constexpr(_gen_asm(False))
+ASM_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 32 + ["f"] * 16 + [str(i) for i in range(16)]))
+
+
+@triton.jit
+def _asm_group(q, xr, sz, y, BF16: tl.constexpr):
+    if BF16:
+        return tl.inline_asm_elementwise(ASM_BF16, ASM_CONSTRAINTS, [q, xr, sz, y], dtype=tl.float32, is_pure=True, pack=16)
+    else:
+        return tl.inline_asm_elementwise(ASM_F16, ASM_CONSTRAINTS, [q, xr, sz, y], dtype=tl.float32, is_pure=True, pack=16)
+
+
+@triton.jit
+def _x_half(words, j: tl.constexpr, BF16: tl.constexpr):
+    """Element j (0..7) of the 8 16-bit x values held as 4 raw words along the last axis, as fp32."""
+    w4 = tl.arange(0, 4)[None, None, None, None, :]
+    wd = tl.sum(tl.where(w4 == j // 2, words, 0), axis=4)
+    bits = (wd >> (16 * (j % 2))) & 0xFFFF
+    if BF16:
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def emulate_group(q, xr, sz, y, MB: tl.constexpr, BF16: tl.constexpr, KW: tl.constexpr, G: tl.constexpr):
+    """What `_asm_group` computes, element by element, in plain Triton (for the interpreter).
+
+    y[h, kw, gi, t, v] += scale(v) * sum over the group of (q - zero) * x[token 2t + h]: the x of
+    token 2t + h is the one loaded by lane group g = 2t + h of the same 8-lane block.
+    """
+    R: tl.constexpr = G // 8
+    s4 = tl.arange(0, 4)[:, None, None, None, None]
+    hh = tl.arange(0, 2)[None, None, None, None, :, None]
+    c0 = tl.zeros([KW, R, 8, 4, 4], dtype=tl.float32)
+    c1 = tl.zeros([KW, R, 8, 4, 4], dtype=tl.float32)
+    sx0 = tl.zeros([KW, R, 4], dtype=tl.float32)
+    sx1 = tl.zeros([KW, R, 4], dtype=tl.float32)
+    for j in tl.static_range(8):
+        xj = tl.reshape(_x_half(xr, j, BF16), [4, KW, R, 4, 2, 4])  # (s, kw, r, t, h, t')
+        x0 = tl.sum(tl.where(hh == 0, xj, 0.0), axis=4)  # (s, kw, r, t, t'): token 2t
+        x1 = tl.sum(tl.where(hh == 1, xj, 0.0), axis=4)  # token 2t + 1
+        nib = tl.reshape(((q >> (4 * j)) & 0xF).to(tl.float32) + MB, [4, KW, R, 8, 4, 4])  # (s, kw, r, g, t', v)
+        wb = nib[:, :, :, :, None, :, :]  # (s, kw, r, g, 1, t', v)
+        c0 += tl.sum(tl.sum(wb * x0[:, :, :, None, :, :, None], axis=5), axis=0)
+        c1 += tl.sum(tl.sum(wb * x1[:, :, :, None, :, :, None], axis=5), axis=0)
+        sx0 += tl.sum(tl.sum(x0, axis=4), axis=0)
+        sx1 += tl.sum(tl.sum(x1, axis=4), axis=0)
+    scale = tl.reshape(tl.sum(tl.where(s4 == 0, sz, 0.0), axis=0), [KW, R, 8, 4, 4])
+    nb = tl.reshape(tl.sum(tl.where(s4 == 1, sz, 0.0), axis=0), [KW, R, 8, 4, 4])
+    y0 = tl.reshape(scale * (c0 + nb * sx0[:, :, None, :, None]), [KW, G, 4, 4])
+    y1 = tl.reshape(scale * (c1 + nb * sx1[:, :, None, :, None]), [KW, G, 4, 4])
+    return y + tl.where(s4 == 0, y0[None, :, :, :, :], tl.where(s4 == 1, y1[None, :, :, :, :], 0.0))
+
+
+@triton.jit
+def _scale_bias(sc, s, grp, qz_ptr, colf, N, MB: tl.constexpr, SYM: tl.constexpr):
+    """sz of one group: the column scales (s = 0) and -(MB + zero) (s = 1); sc is valid at s = 0."""
+    if SYM:
+        nb = -(MB + 8.0)
+    else:
+        zw = tl.load(qz_ptr + grp * (N // 8) + colf // 8, mask=s == 1)
+        nb = -(MB + 1.0) - ((zw >> (colf % 8 * 4)) & 0xF).to(tl.float32)
+    return tl.where(s == 0, sc.to(tl.float32), tl.where(s == 1, nb, 0.0))
+
+
+@triton.jit
+def _group_math(q, xr, sz, y, MB: tl.constexpr, BF16: tl.constexpr, KW: tl.constexpr, G: tl.constexpr,
+                EMULATE: tl.constexpr):
+    if EMULATE:
+        return emulate_group(q, xr, sz, y, MB, BF16, KW, G)
+    else:
+        return _asm_group(q, xr, sz, y, BF16)
+
+
+@triton.jit
+def tc_groups(
+    x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, col2, N, g_start, g_end,
+    KW: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """Partial products over quantisation groups [g_start, g_end) for up to 8 token rows.
+
+    x32_ptr: x as int32 words (two 16-bit values each); xrow [1, 1, G, 1, 1]: word offset of the x
+    row of token gi % 8 (any valid row where the token is absent). g_end - g_start must be a
+    positive multiple of KW (each warp-row kw takes group g0 + kw of every step). Returns y
+    [4, KW, G, 4, 4] fp32: sum it over axis 1; element (h, gi, t, v), h < 2, is token 2t + h at
+    column colbase + 4 gi + v (h >= 2: unused). With DUAL, a second y for
+    columns + col2 (the up half of gate_up), sharing the x loads.
+
+    Two steps per loop iteration with two register buffers (A, B): each buffer's next loads go out
+    before the other's math, and no register is copied between iterations. Pointers advance by
+    one step; loads past the end are masked off (no fill value: their registers are never used).
+    """
+    MB: tl.constexpr = 128.0 if BF16 else 1024.0
+    s = tl.arange(0, 4)[:, None, None, None, None]
+    kw = tl.arange(0, KW)[None, :, None, None, None]
+    gi = tl.arange(0, G)[None, None, :, None, None]
+    t = tl.arange(0, 4)[None, None, None, :, None]
+    v = tl.arange(0, 4)[None, None, None, None, :]
+    colq = colbase + 4 * gi + v  # [1, 1, G, 1, 4] word columns, also the result columns
+    colf = colq + 0 * s + 0 * t  # the same as a full [4, 1, G, 4, 4] tensor (scale loads in the q layout)
+    kp0 = (g_start + kw) * 16 + 4 * s + t  # [4, KW, 1, 4, 1] packed rows of the first step
+    qp = qw_ptr + kp0 * N + colq
+    xp = x32_ptr + xrow + kp0 * 4 + v
+    sp = sc_ptr + (g_start + kw) * N + colf
+    qp2 = qp + col2
+    sp2 = sp + col2
+    QSTEP = 16 * KW * N
+    SSTEP = KW * N
+    XSTEP: tl.constexpr = 64 * KW
+    half = s == 0  # scales are read once (s = 0); the other copies are masked off
+    y = tl.zeros([4, KW, G, 4, 4], dtype=tl.float32)
+    y2 = tl.zeros([4, KW, G, 4, 4], dtype=tl.float32)
+    qa = tl.load(qp)
+    xa = tl.load(xp)
+    sa = tl.load(sp, mask=half)
+    qa2 = qa
+    sa2 = sa
+    if DUAL:
+        qa2 = tl.load(qp2)
+        sa2 = tl.load(sp2, mask=half)
+    for g0 in range(g_start, g_end, 2 * KW):
+        # buffer B <- step g0 + KW, then the math of buffer A (step g0)
+        ok_b = g0 + KW < g_end
+        mb = (g0 + KW + kw) < g_end  # the same as a tensor (the interpreter wants tensor masks)
+        qp += QSTEP
+        xp += XSTEP
+        sp += SSTEP
+        qb = tl.load(qp, mask=mb)
+        xb = tl.load(xp, mask=mb)
+        sb = tl.load(sp, mask=mb & half)
+        qb2 = qb
+        sb2 = sb
+        if DUAL:
+            qp2 += QSTEP
+            sp2 += SSTEP
+            qb2 = tl.load(qp2, mask=mb)
+            sb2 = tl.load(sp2, mask=mb & half)
+        grp = g0 + kw
+        y = _group_math(qa, xa, _scale_bias(sa, s, grp, qz_ptr, colf, N, MB, SYM), y, MB, BF16, KW, G, EMULATE)
+        if DUAL:
+            y2 = _group_math(qa2, xa, _scale_bias(sa2, s, grp, qz_ptr, colf + col2, N, MB, SYM), y2, MB, BF16, KW, G,
+                             EMULATE)
+        # buffer A <- step g0 + 2 KW, then the math of buffer B
+        ma = (g0 + 2 * KW + kw) < g_end
+        qp += QSTEP
+        xp += XSTEP
+        sp += SSTEP
+        qa = tl.load(qp, mask=ma)
+        xa = tl.load(xp, mask=ma)
+        sa = tl.load(sp, mask=ma & half)
+        if DUAL:
+            qp2 += QSTEP
+            sp2 += SSTEP
+            qa2 = tl.load(qp2, mask=ma)
+            sa2 = tl.load(sp2, mask=ma & half)
+        if ok_b:
+            grp = g0 + KW + kw
+            y = _group_math(qb, xb, _scale_bias(sb, s, grp, qz_ptr, colf, N, MB, SYM), y, MB, BF16, KW, G, EMULATE)
+            if DUAL:
+                y2 = _group_math(qb2, xb, _scale_bias(sb2, s, grp, qz_ptr, colf + col2, N, MB, SYM), y2, MB, BF16, KW,
+                                 G, EMULATE)
+    return y, y2
+
+
+@triton.jit
+def _gemv_tc_kernel(
+    x32_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K2, GROUPS, GPS,
+    WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr,
+    SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
+):
+    G: tl.constexpr = 8 * WN
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    colbase = pid_n * (32 * WN)
+    gi = tl.arange(0, G)[None, None, :, None, None]
+    xrow = tl.minimum(gi % 8, M - 1) * K2
+    g_start = pid_k * GPS
+    g_end = tl.minimum(g_start + GPS, GROUPS)
+    y, _ = tc_groups(x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, 0, N, g_start, g_end,
+                     KW, G, SYM, BF16, False, EMULATE)
+    y = tl.sum(y, axis=1)  # [4, G, 4, 4]: the KW warps' groups
+    s = tl.arange(0, 4)[:, None, None, None]
+    g4 = tl.arange(0, G)[None, :, None, None]
+    t = tl.arange(0, 4)[None, None, :, None]
+    v = tl.arange(0, 4)[None, None, None, :]
+    col = colbase + 4 * g4 + v
+    tok = 2 * t + s
+    offs = tok * N + col
+    mask = (s < 2) & (tok < M)
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptr + pid_k * M * N + offs, y, mask=mask)
+        if arrive(cnt_ptr + pid_n, SPLIT_K):
+            total = tl.zeros([4, G, 4, 4], dtype=tl.float32)
+            for c in tl.static_range(0, SPLITP, 4):  # the partials of 4 splits at a time, loads together
+                sp = c + tl.arange(0, 4)[:, None, None, None, None]
+                part = tl.load(ws_ptr + sp * M * N + offs[None], mask=(sp < SPLIT_K) & mask[None], other=0,
+                               cache_modifier=".cg")
+                total += tl.sum(part, axis=0)
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            reset(cnt_ptr + pid_n)
+
+
+def _sm_count(device: torch.device) -> int:
+    if INTERPRET or device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tc_supported(x: torch.Tensor, n: int, k: int, group_size: int, wn: int = 1, tensors=()) -> bool:
+    """The tensor-core path: CUDA sm_80+ (or the interpreter), x bf16/fp16, group 128, N a multiple of 32*WN and 16.
+
+    Every pointer 16-byte aligned (x and `tensors`): the 16-byte vector loads that give the loaded
+    tiles their mma-shaped layout need it (Triton specialises on pointer alignment). Metadata
+    only, no sync.
+    """
+    if x.dtype not in (torch.bfloat16, torch.float16) or group_size != GROUP or k % GROUP or n % (32 * wn) or n % 16:
+        return False
+    if any(t.data_ptr() % 16 for t in (x, *tensors)):
+        return False
+    if INTERPRET:
+        return True
+    return x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 8
+
+
+def default_tc_config(m: int, n: int, k: int) -> dict:
+    """4 warps of 32 columns (128 columns a program), one group per warp-step; K split to ~4 programs per SM."""
+    if INTERPRET:
+        return {"WN": 1, "KW": 2, "num_warps": 2}
+    return {"WN": 4, "KW": 1, "programs_per_sm": 4.0}
+
+
+def tc_geometry(n: int, k: int, cfg: dict, device, tiles_extra: int = 1) -> tuple[int, int, int]:
+    """(column tiles, K splits, groups per split); groups per split a multiple of KW (lowered to divide K's groups)."""
+    tiles = n // (32 * cfg["WN"])
+    groups = k // GROUP
+    while groups % cfg["KW"]:  # every warp row must have a group in every step (the first loads are unmasked)
+        cfg["KW"] //= 2
+    kw = cfg["KW"]
+    steps = triton.cdiv(groups, kw)
+    split = cfg.get("SPLIT_K")
+    if not split:
+        target = int(_sm_count(device) * cfg.get("programs_per_sm", 4.0))
+        split = max(1, min(steps, -(-target // max(tiles * tiles_extra, 1))))
+    gps = triton.cdiv(steps, split) * kw
+    split = triton.cdiv(groups, gps)
+    return tiles, split, gps
+
+
+def int4_matmul_tc(x: torch.Tensor, qweight, qzeros, scales, *, sym: bool, out=None, config: dict | None = None,
+                   counters: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T on the tensor-core path (see tc_supported); x [..., K] with 1..4 rows."""
+    k = qweight.shape[0] * 8
+    n = qweight.shape[1]
+    x2, lead = decode_rows(x, k, "int4_matmul")
+    m = x2.shape[0]
+    cfg = default_tc_config(m, n, k)
+    cfg.update(config or {})
+    tiles, split, gps = tc_geometry(n, k, cfg, x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ws = torch.empty(split if split > 1 else 1, m, n, dtype=torch.float32, device=x.device)
+    cnt = counters if counters is not None else counters_for("int4_gemv_tc", tiles, x.device)
+    _gemv_tc_kernel[(tiles, split)](
+        x2.view(torch.int32), qweight, qzeros, scales, out, ws, cnt, m, n, k // 2, k // GROUP, gps,
+        WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym), BF16=x.dtype == torch.bfloat16, SPLIT_K=split,
+        SPLITP=max(4, next_pow2(split)), EMULATE=INTERPRET, num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
+        **launch_options(cfg),
+    )
+    return out.reshape(*lead, n)
+
+
+def launch_options(cfg: dict) -> dict:
+    """Extra Triton launch options a config may carry (maxnreg: cap registers per thread for occupancy)."""
+    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not INTERPRET else {}
+
+
+# ------------------------------------------------------------------ lane-level check of the PTX
+
+
+def simulate_group_asm(q, xr, sz, y, bf16: bool = True):
+    """Run `_gen_asm`'s PTX on one warp in numpy, as the layout documented above places the elements.
+
+    q, xr: int32 [4, 8, 4, 4] (s, g, t, v) of one warp (G = 8, KW = 1); sz, y: fp32 same shape.
+    Returns the new y. Used by the tests to check the fragment bookkeeping without a GPU.
+    """
+    import numpy as np
+
+    text = _gen_asm(bf16)
+    lanes = [(g, t) for g in range(8) for t in range(4)]  # lane l = 4 g + t
+
+    def operands(g, t):
+        ops = {}
+        for e in range(16):
+            s, v = divmod(e, 4)
+            ops[f"${e}"] = np.float32(y[s, g, t, v])
+            ops[f"${16 + e}"] = np.uint32(np.int64(q[s, g, t, v]) & 0xFFFFFFFF)
+            ops[f"${32 + e}"] = np.uint32(np.int64(xr[s, g, t, v]) & 0xFFFFFFFF)
+            ops[f"${48 + e}"] = np.float32(sz[s, g, t, v])
+        return ops
+
+    regs = [operands(g, t) for g, t in lanes]
+
+    def h2f(bits):
+        bits = int(bits) & 0xFFFF
+        if bf16:
+            return float(np.array([bits << 16], dtype=np.uint32).view(np.float32)[0])
+        return float(np.array([bits], dtype=np.uint16).view(np.float16)[0])
+
+    def val(r, tok):
+        tok = tok.strip()
+        if tok.startswith("0f"):
+            return np.array([int(tok[2:], 16)], dtype=np.uint32).view(np.float32)[0]
+        if tok.startswith("0x"):
+            return np.uint32(int(tok, 16))
+        if tok.isdigit():
+            return np.uint32(int(tok))
+        return r[tok]
+
+    def vec(tok):
+        return [p.strip() for p in tok.strip().strip("{}").split(",")]
+
+    import re
+
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if op.startswith("mma"):
+            parts = re.findall(r"\{[^}]*\}", rest)
+            d, a, b, c = (vec(p) for p in parts)
+            amat = np.zeros((16, 16))
+            bmat = np.zeros((16, 8))
+            cmat = np.zeros((16, 8))
+            for lane, (g, t) in enumerate(lanes):
+                r = regs[lane]
+                av = [val(r, a[i]) for i in range(4)]
+                for i, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+                    amat[row, col] = h2f(av[i])
+                    amat[row, col + 1] = h2f(int(av[i]) >> 16)
+                bv = [val(r, b[i]) for i in range(2)]
+                for i, krow in enumerate([2 * t, 2 * t + 8]):
+                    bmat[krow, g] = h2f(bv[i])
+                    bmat[krow + 1, g] = h2f(int(bv[i]) >> 16)
+                cv = [float(val(r, c[i])) for i in range(4)]
+                cmat[g, 2 * t], cmat[g, 2 * t + 1], cmat[g + 8, 2 * t], cmat[g + 8, 2 * t + 1] = cv
+            dmat = amat @ bmat + cmat
+            for lane, (g, t) in enumerate(lanes):
+                outs = [dmat[g, 2 * t], dmat[g, 2 * t + 1], dmat[g + 8, 2 * t], dmat[g + 8, 2 * t + 1]]
+                for name, value in zip(d, outs):
+                    regs[lane][name] = np.float32(value)
+            continue
+        args = [p.strip() for p in rest.split(",")]
+        for r in regs:
+            if op == "mov.b32" or op == "mov.f32":
+                r[args[0]] = val(r, args[1])
+            elif op == "prmt.b32":
+                a_, b_ = int(val(r, args[1])), int(val(r, args[2]))
+                sel = int(args[3], 16)
+                src = a_ | (b_ << 32)
+                out = 0
+                for i in range(4):
+                    byte = (src >> (8 * ((sel >> (4 * i)) & 0x7))) & 0xFF
+                    out |= byte << (8 * i)
+                r[args[0]] = np.uint32(out)
+            elif op == "shr.u32":
+                r[args[0]] = np.uint32(int(val(r, args[1])) >> int(args[2]))
+            elif op == "lop3.b32":
+                assert args[4] == "0xEA"
+                r[args[0]] = np.uint32((int(val(r, args[1])) & int(val(r, args[2]))) | int(val(r, args[3])))
+            elif op == "fma.rn.f32":
+                r[args[0]] = np.float32(np.float32(val(r, args[1])) * np.float32(val(r, args[2])) + np.float32(val(r, args[3])))
+            else:
+                raise ValueError(f"simulator: unknown op {op}")
+    out = np.array(y, dtype=np.float32).copy()
+    for lane, (g, t) in enumerate(lanes):
+        for e in range(16):
+            s, v = divmod(e, 4)
+            out[s, g, t, v] = regs[lane][f"${e}"]
+    return out
