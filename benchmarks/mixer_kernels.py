@@ -211,8 +211,8 @@ def main():
     dst = torch.empty_like(src)
     copy = 2 * n / (median_us(lambda: torch.mul(src, 1.0, out=dst), rep_ms=30) * 1e-6) / 1e9
     del src, dst
-    name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)"
-    print(f"device {name}  copy bandwidth {copy:.0f} GB/s (elementwise, graph)", flush=True)
+    device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)"
+    print(f"device {device}  copy bandwidth {copy:.0f} GB/s (elementwise, graph)", flush=True)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / ("mixer_kernels.json" if os.environ.get("OUT") else f"{datetime.date.today().isoformat()}-mixer-kernels.json")
@@ -220,7 +220,7 @@ def main():
     def write():
         path.write_text(json.dumps({
             "benchmark": "mixer_kernels", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": git_commit() or "unknown", "device": name, "torch": torch.__version__,
+            "commit": git_commit() or "unknown", "device": device, "torch": torch.__version__,
             "triton": triton.__version__, "copy_bandwidth_GBps": round(copy, 1),
             "timing": "triton.testing.do_bench_cudagraph median, rotated inputs", "seconds": round(time.time() - STARTED, 1),
             "results": ROWS}, indent=1))
