@@ -44,10 +44,15 @@ def _fp8_gemv_kernel(
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     srow = s_ptr + (pid_n * BN // SBN) * S_COLS
     acc = tl.zeros([BM, BN, BK], dtype=tl.float32)
+    # registers double-buffer the weight tile: the next step's load is in flight during this step's math
+    k = k_start + kk
+    w_next = tl.load(w_ptr + n_offs[:, None] * K + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
     for k0 in range(k_start, k_end, BK):
         k = k0 + kk
         kmask = k < k_end
-        w = tl.load(w_ptr + n_offs[:, None] * K + k[None, :], mask=n_mask[:, None] & kmask[None, :], other=0.0)
+        w = w_next
+        kn = k0 + BK + kk
+        w_next = tl.load(w_ptr + n_offs[:, None] * K + kn[None, :], mask=n_mask[:, None] & (kn < k_end)[None, :], other=0.0)
         scale = tl.load(srow + k0 // SBK).to(tl.float32)
         x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_mask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         acc += (x * scale)[:, None, :] * w.to(tl.float32)[None, :, :]
