@@ -7,6 +7,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without CUDA the Triton kernels are tested in Triton's interpreter; it must be chosen before
+# Triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 

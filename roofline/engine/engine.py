@@ -24,7 +24,7 @@ from ..model import Qwen35ForCausalLM
 from .cache import CachePool, SequenceCache, SlotCache
 from .graphs import DecodeGraphs
 from .sampling import Sampler, SamplingParams, make_generator
-from .speculative import DraftState, MtpSpeculator, SpeculativeConfig
+from .speculative import MAX_DRAFT_TOKENS, DraftState, MtpSpeculator, SpeculativeConfig
 from .stops import StopStringMatcher
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -136,10 +136,11 @@ class Engine:
 
     def _allocate_pools(self, max_num_seqs: int) -> None:
         cfg, model = self.model.config, self.model
+        capacity = self.max_model_len + MAX_DRAFT_TOKENS + 1  # a verify or padded draft step may run past the limit
         try:
-            self.pool = CachePool(cfg, cfg.layer_types, max_num_seqs, self.max_model_len, model.device, model.dtype)
+            self.pool = CachePool(cfg, cfg.layer_types, max_num_seqs, capacity, model.device, model.dtype)
             if self.speculator:
-                self.mtp_pool = CachePool(cfg, ["full_attention"], max_num_seqs, self.max_model_len, model.device, model.dtype)
+                self.mtp_pool = CachePool(cfg, ["full_attention"], max_num_seqs, capacity, model.device, model.dtype)
         except torch.OutOfMemoryError:
             raise UserError(
                 f"the preallocated KV cache and GDN state for {max_num_seqs} sequences of {self.max_model_len} tokens do not "
@@ -150,6 +151,7 @@ class Engine:
         self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, use_graphs)
         if self.speculator:
             self.speculator.graphs = self.graphs
+            self.speculator.draft_graphs = DecodeGraphs(model, self.mtp_pool, max_num_seqs, use_graphs, mtp=True)
         log.info("pooled decode: %d slots x %d tokens, %.2f GiB of KV cache and GDN state; %s", max_num_seqs,
                  self.max_model_len, total / 2**30, "CUDA graphs per batch bucket" if use_graphs else "eager (no CUDA)")
 

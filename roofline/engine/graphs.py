@@ -35,16 +35,18 @@ class StepBuffers:
     positions: torch.Tensor  # [B*M]
     lengths: torch.Tensor  # [B]
     rollback: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
+    hidden_in: torch.Tensor | None = None  # [B*M, H] the MTP head's hidden input
     hidden: torch.Tensor | None = None  # [B*M, H] post-norm
     logits: torch.Tensor | None = None  # [B*M, V] fp32
     graph: torch.cuda.CUDAGraph | None = None
 
 
 class DecodeGraphs:
-    """Runs the main model's pooled decode step for a batch of `SlotCache`s."""
+    """Runs the pooled decode step for a batch of `SlotCache`s: of the main model, or with `mtp` of
+    the MTP head (which also takes a hidden state per token)."""
 
-    def __init__(self, model, pool: CachePool, max_batch: int, use_graphs: bool):
-        self.model, self.pool, self.max_batch, self.use_graphs = model, pool, max_batch, use_graphs
+    def __init__(self, model, pool: CachePool, max_batch: int, use_graphs: bool, mtp: bool = False):
+        self.model, self.pool, self.max_batch, self.use_graphs, self.mtp = model, pool, max_batch, use_graphs, mtp
         self.buffers: dict[tuple[int, int, int], StepBuffers] = {}
         self.mempool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.replays = 0
@@ -57,6 +59,7 @@ class DecodeGraphs:
             positions=torch.arange(m, device=dev).repeat(b),
             lengths=torch.full((b,), m, dtype=torch.int32, device=dev),
             rollback=None,
+            hidden_in=torch.zeros(b * m, self.model.config.hidden_size, dtype=self.model.dtype, device=dev) if self.mtp else None,
         )
         if rollback and m > 1:
             buffers.rollback = {
@@ -70,7 +73,10 @@ class DecodeGraphs:
 
     def _body(self, buf: StepBuffers, m: int, span: int) -> None:
         batch = SlotBatch(self.pool, buf.slots, buf.positions, buf.lengths, m, span, buf.rollback)
-        buf.hidden = self.model.slot_forward(buf.ids, batch)
+        if self.mtp:
+            buf.hidden = self.model.mtp_slot_forward(buf.ids, buf.hidden_in, batch)
+        else:
+            buf.hidden = self.model.slot_forward(buf.ids, batch)
         buf.logits = self.model.logits(buf.hidden)
 
     def _capture(self, buf: StepBuffers, m: int, span: int) -> None:
@@ -101,9 +107,11 @@ class DecodeGraphs:
             self.buffers[key] = buf
         return buf, b, span
 
-    def run(self, ids: list[int], caches: list[SlotCache], m: int, rollback: bool = False) -> StepBuffers:
-        """One step: `ids` holds m tokens per cache, sequence-major. Caches are not advanced (the caller
-        decides how many tokens to keep). Returns the bucket's buffers (rows past len(ids) are padding)."""
+    def run(self, ids: list[int], caches: list[SlotCache], m: int, rollback: bool = False,
+            hidden: torch.Tensor | None = None) -> StepBuffers:
+        """One step: `ids` holds m tokens per cache, sequence-major (`hidden`, [len(ids), H], for the MTP head).
+        Caches are not advanced (the caller decides how many tokens to keep). Returns the bucket's buffers
+        (rows past len(ids) are padding)."""
         n = len(caches)
         longest = max(c.num_tokens for c in caches) + m
         buf, b, span = self.buffers_for(n, m, longest, rollback)
@@ -114,6 +122,8 @@ class DecodeGraphs:
         buf.slots.copy_(torch.tensor([c.slot for c in caches] + [self.pool.pad_slot] * (b - n), dtype=torch.int32))
         buf.positions.copy_(positions.to(dev))
         buf.lengths.copy_((starts + m).to(torch.int32).to(dev))
+        if self.mtp:
+            buf.hidden_in[: len(ids)].copy_(hidden)
         if buf.graph is not None:
             buf.graph.replay()
             self.replays += 1

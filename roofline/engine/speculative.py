@@ -97,7 +97,7 @@ class MtpSpeculator:
         if model.mtp is None:
             raise UserError("speculative decoding needs the checkpoint's MTP head (mtp.* tensors), and this checkpoint has none")
         self.model, self.sampler = model, sampler
-        self.graphs = None  # the engine's DecodeGraphs when it decodes on pooled caches
+        self.graphs = self.draft_graphs = None  # the engine's DecodeGraphs (main model, MTP head) when pooled
         self.k_max = config.num_speculative_tokens
         self.k = self.k_max  # drafts in the current step (varies only with `auto`)
         self.chooser = DraftLengthChooser(self.k_max) if config.auto else None
@@ -122,31 +122,42 @@ class MtpSpeculator:
         if self.chooser:
             self.chooser.record(self.k, seconds)
 
+    def _head(self, tokens: list[list[int]], hidden: list[torch.Tensor], caches) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP head over each sequence's (token, hidden) pairs, advancing its cache by them; returns the
+        post-norm hidden state and the logits of each sequence's last pair."""
+        model = self.model
+        m = max(len(t) for t in tokens)
+        if self.draft_graphs and m <= MAX_DRAFT_TOKENS + 1:  # right-padded to m pairs: their extra keys are never seen
+            pad = [m - len(t) for t in tokens]
+            ids = [x for t, p in zip(tokens, pad) for x in t + [0] * p]
+            rows = torch.cat([torch.cat([h, h.new_zeros(p, h.shape[1])]) for h, p in zip(hidden, pad)])
+            buf = self.draft_graphs.run(ids, caches, m, hidden=rows)
+            last = torch.tensor([i * m + len(t) - 1 for i, t in enumerate(tokens)], device=model.device)
+            for cache, t in zip(caches, tokens):
+                cache.advance(len(t))
+            return buf.hidden[last], buf.logits[last]
+        out = model.mtp_forward(torch.tensor([x for t in tokens for x in t], device=model.device), torch.cat(hidden),
+                                [len(t) for t in tokens], caches)
+        out = out[torch.tensor([len(t) for t in tokens], device=model.device).cumsum(0) - 1]
+        return out, model.logits(out)
+
     def draft(self, states: list[DraftState], params, histories, prompt_lens, generators):
         """k draft tokens and their draft distributions q per sequence."""
-        model = self.model
-        hidden = model.mtp_forward(
-            torch.tensor([t for s in states for t in s.pending_tokens], device=model.device),
-            torch.cat([s.pending_hidden for s in states]),
-            [len(s.pending_tokens) for s in states],
-            [s.cache for s in states],
-        )
-        true_lengths = [s.cache.num_tokens for s in states]
-        ends = torch.tensor([len(s.pending_tokens) for s in states], device=model.device).cumsum(0) - 1
-        hidden = hidden[ends]
+        caches = [s.cache for s in states]
+        true_lengths = [c.num_tokens for c in caches]
+        hidden, logits = self._head([s.pending_tokens for s in states], [s.pending_hidden for s in states], caches)
         drafts: list[list[int]] = [[] for _ in states]
         qs: list[list[torch.Tensor]] = [[] for _ in states]
         for j in range(self.k):
             if j:
-                tokens = torch.tensor([d[-1] for d in drafts], device=model.device)
-                hidden = model.mtp_forward(tokens, hidden, [1] * len(states), [s.cache for s in states])
-            q = self.sampler.probabilities(model.logits(hidden), params, [h + d for h, d in zip(histories, drafts)], prompt_lens)
+                hidden, logits = self._head([[d[-1]] for d in drafts], list(hidden[:, None]), caches)
+            q = self.sampler.probabilities(logits, params, [h + d for h, d in zip(histories, drafts)], prompt_lens)
             for i, p in enumerate(params):
                 token = int(q[i].argmax()) if p.greedy else int(torch.multinomial(q[i], 1, generator=generators[i]))
                 drafts[i].append(token)
                 qs[i].append(q[i])
-        for state, length in zip(states, true_lengths):
-            state.cache.truncate(length)  # drafts beyond the first are not true history
+        for cache, length in zip(caches, true_lengths):
+            cache.truncate(length)  # drafts beyond the first are not true history
         return drafts, qs
 
     def _verify_forward(self, caches, inputs: list[list[int]]):

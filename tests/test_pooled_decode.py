@@ -1,0 +1,110 @@
+"""The pooled decode step (what the CUDA-graph runner captures) against the reference path.
+
+Without CUDA the fused kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1)
+and the step runs eagerly; with CUDA the `gpu` tests capture it as graphs. Either way the
+pooled caches, the slot steps and the verify rollback must give the reference path's tokens.
+"""
+
+import os
+
+import pytest
+import torch
+
+from roofline.engine.cache import CachePool, SequenceCache
+from roofline.engine.engine import Engine
+from roofline.engine.sampling import SamplingParams
+from roofline.engine.speculative import SpeculativeConfig
+from tiny_checkpoints import INT4_PLAN, reference_model, text_config, write_variant
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+cpu = pytest.mark.skipif(not INTERPRET, reason="runs the kernels in Triton's interpreter (TRITON_INTERPRET=1, no CUDA)")
+
+PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [9, 8, 7], [100, 3, 4, 200, 201, 9, 9, 12, 40]]
+
+
+# The interpreter runs the INT4 kernels too slowly for CI's two cores: INT4 is checked on the GPU.
+FORMATS = ["bf16", "int4"] if torch.cuda.is_available() else ["bf16"]
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def checkpoint(request, tmp_path_factory):
+    cfg = text_config(eos_token_id=255)  # random weights: make an early stop rare
+    hf, mtp = reference_model(cfg, seed=7)
+    path = tmp_path_factory.mktemp("pooled") / request.param
+    write_variant(hf, mtp, path, cfg=cfg, plan=INT4_PLAN if request.param == "int4" else None)
+    return path
+
+
+def greedy(engine, prompts, n=8):
+    seqs = [engine.add(p, SamplingParams(temperature=0.0, max_tokens=n)) for p in prompts]
+    while engine.sequences:
+        engine.step()
+    return [s.output_ids for s in seqs]
+
+
+def engines(path, device, dtype, k=None):
+    spec = SpeculativeConfig(k) if k else None
+    reference = Engine.from_pretrained(str(path), device=device, dtype=dtype, fast_path=False, speculative=spec)
+    pooled = Engine.from_pretrained(str(path), device=device, dtype=dtype, cuda_graphs=True, speculative=spec, max_num_seqs=4)
+    assert pooled.graphs is not None and reference.graphs is None
+    return reference, pooled
+
+
+@cpu
+@pytest.mark.parametrize("k", [None, 2])
+def test_pooled_greedy_tokens_equal_reference(checkpoint, k):
+    reference, pooled = engines(checkpoint, "cpu", "float32", k)
+    want = greedy(reference, PROMPTS)
+    assert greedy(pooled, PROMPTS) == want  # batched: the slots and the rollback are per sequence
+    assert pooled.pool.free == list(range(4)) or sorted(pooled.pool.free) == list(range(4)), "slots go back"
+    if k:
+        assert sum(pooled.speculator.drafted) > 0
+
+
+@cpu
+def test_verify_rollback_equals_never_seeing_rejected_tokens(checkpoint):
+    _, pooled = engines(checkpoint, "cpu", "float32")
+    model, graphs = pooled.model, pooled.graphs
+    prefix, extra = PROMPTS[2][:5], PROMPTS[2][5:9]
+    clean, spec = pooled.pool.acquire(), pooled.pool.acquire()
+    for cache in (clean, spec):
+        model(torch.tensor(prefix), [len(prefix)], [cache])
+    for token in extra[:2]:  # the two tokens that are "accepted", one plain step each
+        graphs.keep(graphs.run([token], [clean], 1), 0, clean, 1, 1)
+    buf = graphs.run(extra, [spec], 4, rollback=True)  # verify 4 tokens in one step, keep 2
+    graphs.keep(buf, 0, spec, 4, 2)
+    assert spec.num_tokens == clean.num_tokens == 7
+    pool = pooled.pool
+    for layer in pool.recurrent:
+        assert torch.allclose(pool.recurrent[layer][spec.slot], pool.recurrent[layer][clean.slot], rtol=1e-4, atol=1e-5)
+        assert torch.allclose(pool.conv[layer][spec.slot], pool.conv[layer][clean.slot], rtol=1e-4, atol=1e-5)
+    for layer in pool.keys:
+        assert torch.allclose(pool.keys[layer][spec.slot, :7], pool.keys[layer][clean.slot, :7], rtol=1e-4, atol=1e-5)
+    a = graphs.run([11], [spec], 1).logits[0].clone()
+    b = graphs.run([11], [clean], 1).logits[0]
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_slot_cache_prefill_equals_growing_cache(checkpoint):
+    """Eager steps on a pool slot (how prompts are prefilled) give the reference cache's logits."""
+    engine = Engine.from_pretrained(str(checkpoint), device="cpu", dtype="float32", fast_path=False)
+    model, cfg = engine.model, engine.model.config
+    pool = CachePool(cfg, cfg.layer_types, 2, 64, "cpu", torch.float32)
+    slot, plain = pool.acquire(), SequenceCache()
+    ids = torch.tensor(PROMPTS[0])
+    for cache in (slot, plain):
+        model(ids, [len(ids)], [cache])
+    nxt = torch.tensor([11])
+    assert torch.allclose(model.logits(model(nxt, [1], [slot])), model.logits(model(nxt, [1], [plain])), atol=1e-5)
+    with pytest.raises(ValueError, match="holds 64 tokens"):
+        model(torch.zeros(60, dtype=torch.long), [60], [slot])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [None, 2])
+def test_cuda_graph_greedy_tokens_equal_reference(checkpoint, k):
+    reference, pooled = engines(checkpoint, "cuda", "float32", k)
+    want = greedy(reference, PROMPTS, n=24)
+    assert greedy(pooled, PROMPTS, n=24) == want
+    assert pooled.graphs.replays > 0, "decode steps replay captured graphs"
