@@ -77,6 +77,15 @@ def _dense_experts(module: Experts, x, top_experts, top_weights) -> torch.Tensor
     return (y * top_weights[..., None]).sum(1).to(x.dtype)
 
 
+def _fla_available() -> bool:
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except Exception as exc:  # ImportError, or fla failing to initialise against this torch/triton
+        log.debug("fla-core unavailable: %r", exc)
+        return False
+    return True
+
+
 @dataclass
 class FastPath:
     """What `install_fast_path` did: kernels by kind, and what (if anything) keeps the decode step
@@ -104,7 +113,9 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
         log.warning("fast path not used: Triton is not installed (pip install 'roofline[gpu]'); running the PyTorch reference path")
         return result
     from .int4_gemv import is_symmetric
-    from .mixers import attention_slot_step, gdn_slot_step
+    from .mixers import attention_slot_step, fla_chunked_recurrence, gdn_slot_step
+
+    fla = _fla_available() if device.type == "cuda" else False  # fla's kernels need CUDA (not the interpreter)
 
     for module in model.modules():
         if isinstance(module, Experts) and isinstance(module.gate_up, Int4Weight) and isinstance(module.down, Int4Weight):
@@ -133,6 +144,11 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
         elif isinstance(module, GatedDeltaNet):
             module.slot_step = partial(gdn_slot_step, module)
             installed["gdn decode"] += 1
+            if fla:
+                module.recurrence = partial(fla_chunked_recurrence, module)
+                installed["gdn chunked prefill (fla)"] += 1
+    if installed["gdn decode"] and not fla and device.type == "cuda":
+        log.warning("GDN prefill runs the PyTorch loop over tokens: fla-core is not installed (pip install 'roofline[gpu]')")
     result.graph_blockers = sorted(set(result.graph_blockers))
     dense = sum(1 for m in model.modules() if isinstance(m, LinearWeight) and m.FORMAT == "dense" and not m.num_experts)
     log.info(

@@ -6,12 +6,16 @@ attention writes the step's keys and values into the pool at their positions and
 `decode_attention` over the slot; GDN runs `gdn_decode`, which updates the slot's conv window
 and recurrent state in place (and, for a multi-token verify step, saves the state after each
 token so a partial accept can roll back).
+
+Prefill (eager, several tokens per sequence) of GDN goes through fla-core's chunked gated delta
+rule where it is installed (`fla_chunked_recurrence`), instead of the reference's loop over tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..engine.cache import SequenceCache
 from ..model.layers import GatedAttention, GatedDeltaNet, SlotBatch
 from .decode_attention import decode_attention
 from .gdn_decode import gdn_decode
@@ -44,3 +48,30 @@ def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch) -> torc
         slots=batch.slots, tokens_per_seq=batch.tokens_per_seq, step_states=step_states, step_conv=step_conv,
     )
     return gdn.out_proj(core)
+
+
+FLA_MIN_TOKENS = 16  # shorter spans (decode, verify) are not worth a chunked launch
+
+
+def fla_chunked_recurrence(gdn: GatedDeltaNet, mixed: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor,
+                           cache: SequenceCache) -> torch.Tensor:
+    """GatedDeltaNet.recurrence for one sequence's span through fla's `chunk_gated_delta_rule` (same math: q/k
+    L2-normalised in the kernel, q scaled by k_dim^-0.5, fp32 state). Spans whose per-token states are
+    recorded (speculative verify) or that are short keep the reference loop."""
+    t = mixed.shape[0]
+    if t < FLA_MIN_TOKENS or cache.record_steps:
+        return GatedDeltaNet.recurrence(gdn, mixed, beta, decay, cache)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    q, k, v = mixed.split([gdn.key_size, gdn.key_size, gdn.value_size], dim=-1)
+    group = gdn.num_v_heads // gdn.num_k_heads  # fla wants one q/k head per value head
+    q = q.reshape(1, t, gdn.num_k_heads, gdn.k_dim).repeat_interleave(group, dim=2)
+    k = k.reshape(1, t, gdn.num_k_heads, gdn.k_dim).repeat_interleave(group, dim=2)
+    v = v.reshape(1, t, gdn.num_v_heads, gdn.v_dim)
+    state = cache.recurrent.get(gdn.layer_idx)
+    out, final = chunk_gated_delta_rule(
+        q, k, v, g=decay[None].float(), beta=beta[None].to(q.dtype), scale=gdn.k_dim**-0.5,
+        initial_state=None if state is None else state[None].float(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    cache.set_recurrent(gdn.layer_idx, final[0].float())
+    return out[0].float()
