@@ -47,7 +47,8 @@ def engines(path, device, dtype, k=None):
     spec = SpeculativeConfig(k) if k else None
     reference = Engine.from_pretrained(str(path), device=device, dtype=dtype, fast_path=False, speculative=spec)
     pooled = Engine.from_pretrained(str(path), device=device, dtype=dtype, cuda_graphs=True, speculative=spec, max_num_seqs=4)
-    assert pooled.graphs is not None and reference.graphs is None
+    assert pooled.pooled_decode and not reference.pooled_decode
+    pooled.ensure_pools()
     return reference, pooled
 
 

@@ -225,7 +225,6 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
 
     if not torch.cuda.is_available():
         raise UserError("bench synthetic measures the CUDA decode path: no CUDA device here")
-    torch.cuda.reset_peak_memory_stats()
     result = {"benchmark": "synthetic", "shape": shape, "layers": layers, "environment": environment(device)}
     copy_bw = measure_copy_bandwidth(device)
     progress(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
@@ -234,6 +233,7 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     cfg = model.config
     result["layout"] = describe_layout(formats, cfg)
     progress(f"built {shape} ({result['layout']}) with random weights in {time.perf_counter() - start:.1f} s")
+    torch.cuda.reset_peak_memory_stats()  # peak while serving: weights, cache pool, graphs (not the build's temporaries)
     fast = install_fast_path(model)
     if not fast.graph_ready:
         raise UserError("the decode step cannot be captured: " + ("; ".join(fast.graph_blockers) or "no fast path"))

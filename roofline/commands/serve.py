@@ -162,11 +162,18 @@ def run_serve(args) -> int:
             f"but {'--kv-cache-memory-bytes gives' if budget_override is not None else 'what is left after the weights is'} {_gib(budget)}; {advice}")
     log.info("KV + state memory: %s budget, %d bytes per token + %d per sequence: %d sequences of full context at once",
              _gib(budget), memory.kv_bytes_per_token, memory.state_bytes_per_sequence, budget // full)
+    max_num_seqs = args.max_num_seqs
+    if engine.pooled_decode:  # each slot holds a full context (no paging yet): as many as the budget holds
+        max_num_seqs = min(max_num_seqs, budget // full)
+        if max_num_seqs < args.max_num_seqs:
+            log.warning("--max-num-seqs %d lowered to %d: the CUDA-graph decode path preallocates a full context per "
+                        "sequence; lower --max-model-len for more sequences", args.max_num_seqs, max_num_seqs)
+        engine.max_num_seqs = max_num_seqs
 
     names = args.served_model_name or [args.model if args.model else "roofline-tiny"]
     config = ServerConfig(
         served_model_names=names, api_key=args.api_key or None, reasoning_parser=args.reasoning_parser,
-        tool_call_parser=args.tool_call_parser, max_num_seqs=args.max_num_seqs, max_queued_requests=args.max_queued_requests,
+        tool_call_parser=args.tool_call_parser, max_num_seqs=max_num_seqs, max_queued_requests=args.max_queued_requests,
         cache_budget_bytes=budget,
     )
     app = create_app(engine, config)

@@ -83,10 +83,11 @@ class Engine:
         self.max_model_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.sampler = Sampler()
         self.speculator = MtpSpeculator(model, self.sampler, speculative) if speculative else None
-        # Pooled decode: caches preallocated per slot, decode steps through DecodeGraphs (CUDA graphs on a GPU).
+        # Pooled decode: caches preallocated per slot (a full context each: no paging), decode steps through
+        # DecodeGraphs (CUDA graphs on a GPU). Allocated at the first request, so a server can still lower
+        # max_num_seqs to what its memory budget holds.
+        self.pooled_decode, self.max_num_seqs = pooled_decode, max_num_seqs
         self.pool = self.mtp_pool = self.graphs = None
-        if pooled_decode:
-            self._allocate_pools(max_num_seqs)
         self.generation_config = model_dir / "generation_config.json"
         self.sequences: list[Sequence] = []
         self._ids = itertools.count(1)
@@ -134,8 +135,11 @@ class Engine:
             tokenizer = None
         return cls(net, tokenizer, model_dir, max_model_len, speculative, pooled_decode=pooled, max_num_seqs=max_num_seqs)
 
-    def _allocate_pools(self, max_num_seqs: int) -> None:
-        cfg, model = self.model.config, self.model
+    def ensure_pools(self) -> None:
+        """Allocate the pooled-decode caches (once) for `max_num_seqs` sequences."""
+        if not self.pooled_decode or self.pool is not None:
+            return
+        cfg, model, max_num_seqs = self.model.config, self.model, self.max_num_seqs
         capacity = self.max_model_len + MAX_DRAFT_TOKENS + 1  # a verify or padded draft step may run past the limit
         try:
             self.pool = CachePool(cfg, cfg.layer_types, max_num_seqs, capacity, model.device, model.dtype)
@@ -182,6 +186,7 @@ class Engine:
             request_id=next(self._ids),
             draft=DraftState() if self.speculator else None,
         )
+        self.ensure_pools()
         if self.pool:
             seq.cache = self.pool.acquire()
             if seq.draft:
