@@ -21,6 +21,9 @@ if [ "$TEST_LIMIT" != 0 ]; then
     2>&1 | tee "$OUT/gpu-tests.log" | tail -25
 fi
 date_tag=$(date -u +%F)
+for b in 1 8; do  # the bundled model's MTP speculation, k = 0..4, with its real acceptance
+  timeout 100 python3 benchmarks/speculative.py --prompts $b --out "$OUT/$date_tag-speculative-cuda-b$b.json" 2>&1 | tail -7
+done
 for shape in $SHAPES; do
   limit=$([ "$shape" = qwen3.5-122b-a10b ] && echo 260 || echo 110)
   timeout "$limit" python3 -m roofline.cli bench synthetic --shape "$shape" --repeats "$REPEATS" \
