@@ -17,7 +17,7 @@ if ls .carry/*/fla_core-*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
 if [ "$TEST_LIMIT" != 0 ]; then
-  timeout "$TEST_LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pooled_decode.py tests/test_fast_path.py \
+  timeout "$TEST_LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pooled_decode.py tests/test_fast_path.py tests/test_bench_synthetic.py \
     2>&1 | tee "$OUT/gpu-tests.log" | tail -25
 fi
 date_tag=$(date -u +%F)

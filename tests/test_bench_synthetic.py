@@ -1,0 +1,66 @@
+"""`roofline bench synthetic`: bytes per token from the engine's tensors, the command end to end on a GPU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from roofline.bench.ceiling import token_bytes
+from roofline.bench.synthetic import build_synthetic_model, engine_token_bytes
+from roofline.checkpoint.loader import plan_model
+from roofline.checkpoint.shapes import layout_tensors, resolve_layout, shape_config
+from roofline.config import ModelConfig
+from roofline.quant import Fp8BlockWeight, Int4Weight
+from roofline.quant.int8 import Int8RowWeight
+
+LAYOUT = resolve_layout("hybrid", {"lm_head": "int8"})
+
+
+@pytest.mark.parametrize("shape", ["qwen3.5-122b-a10b", "qwen3.5-35b-a3b", "qwen3.5-27b"])
+def test_engine_bytes_equal_the_checkpoint_plan(shape):
+    """Counted from the model's tensors (on the meta device: nothing allocated) = counted from the layout's headers."""
+    cfg = ModelConfig.from_dict(shape_config(shape))
+    tensors = layout_tensors(cfg, LAYOUT)
+    model, _, _ = plan_model(cfg, tensors, "meta", torch.bfloat16)
+    ours, planned = engine_token_bytes(model), token_bytes(cfg, tensors)
+    assert ours.weights == planned.weights > 0 and ours.experts_stored == planned.experts_stored
+    assert (ours.experts_stored > 0) == cfg.is_moe
+    if shape == "qwen3.5-122b-a10b":  # qwen35.md's table: 5.32 GB + GDN state for this layout (we also count zero points)
+        assert 5.30e9 < ours.weights < 5.40e9
+
+
+def test_synthetic_model_has_the_layout_and_finite_logits():
+    model, _ = build_synthetic_model("tiny", LAYOUT, "cpu", torch.float32)
+    assert isinstance(model.model.layers[0].mlp.experts.gate_up, Int4Weight)
+    assert isinstance(model.model.layers[0].mlp.shared_expert.up_proj, Fp8BlockWeight)
+    assert isinstance(model.lm_head, Int8RowWeight)
+    from roofline.engine.cache import SequenceCache
+
+    logits = model.logits(model(torch.tensor([1, 2, 3]), [3], [SequenceCache()]))
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown where CUDA is absent")
+def test_needs_cuda_says_so():
+    result = subprocess.run([sys.executable, "-m", "roofline.cli", "bench", "synthetic", "--shape", "qwen3.5-35b-a3b"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "no CUDA device" in result.stderr
+
+
+@pytest.mark.gpu
+def test_synthetic_command_on_gpu(tmp_path):
+    out = tmp_path / "r.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "roofline.cli", "bench", "synthetic", "--shape", "qwen3.5-35b-a3b", "--layers", "4",
+         "--contexts", "0,2K", "--repeats", "3", "--capacity", "4K", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    r = json.loads(out.read_text())
+    assert r["copy_bandwidth"] > 1e11 and [d["context"] for d in r["decode"]] == [0, 2048]
+    for row in r["decode"]:
+        assert 0 < row["fraction_of_ceiling"] < 1.2 and row["tok_s"] > 0
+    assert [t["m"] for t in r["tokens_per_sequence"]] == [1, 2, 3, 4]
+    assert r["breakdown_ms"]["routed experts"] > 0 and r["mtp"]["draft_step_ms"] > 0
