@@ -223,6 +223,32 @@ def test_recall_contexts_reach_2048_tokens(tok):
     assert short < 100
 
 
+def test_answer_focus_classes_and_dense_packing(tok):
+    """Streaming training data: loss classes (2 on the looked-up values inside the assistant's turns)
+    and first-fit packing that keeps every conversation whole."""
+    import numpy as np
+
+    from training.data import encode_conversation, pack_dense
+
+    g = TaskGenerator(seed=9)
+    docs = []
+    for conv in [g.recall(n_facts=12, thinking=True), g.recall_multi(n_facts=8), g.arithmetic(), g.tool()] * 3:
+        ids, cls = encode_conversation(tok, conv, focus=True)
+        ids0, mask = encode_conversation(tok, conv)
+        assert (ids == ids0).all() and ((cls > 0) == mask).all()
+        focus = tok.decode([int(i) for i, c in zip(ids, cls) if c == 2])
+        if conv["task"].startswith("recall"):
+            assert conv["answer"] in focus
+        else:
+            assert not (cls == 2).any()
+        docs.append((ids, cls))
+    sep = tok.token_to_id("<|endoftext|>")
+    rows, rcls = pack_dense(docs, 512, sep, 0)
+    assert rows.shape[1] == 512 and rcls.dtype == np.uint8
+    assert int((rcls > 0).sum()) == sum(int((c > 0).sum()) for _, c in docs)
+    assert int((rows != sep).sum()) == sum(len(d) for d, _ in docs)
+
+
 # ------------------------------------------------------------------ shipped files
 
 

@@ -324,7 +324,8 @@ def recall_multi_conversation(rng: random.Random, thinking: bool, n_facts: int, 
         {"role": "assistant", "content": answer, "reasoning_content": reasoning},
     ]
     return {"task": "recall_multi", "messages": msgs, "tools": None, "enable_thinking": thinking,
-            "answer": values[0], "split_key": "recall:" + "|".join(names), "meta": {"n_facts": n_facts, "keys": names}}
+            "answer": values[0], "split_key": "recall:" + "|".join(names),
+            "meta": {"n_facts": n_facts, "keys": names, "values": [values[i] for i in q]}}
 
 
 COPY_PHRASES = ["Repeat this exactly: {t}", "Say back: {t}", "Copy this text: {t}", "Please repeat: {t}",

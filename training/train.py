@@ -74,27 +74,71 @@ def balance_loss(router_logits: list[torch.Tensor], n_experts: int, top_k: int) 
     return total / max(1, len(router_logits))
 
 
-def compute_losses(model, mtp, ids, mask, mtp_steps: int):
-    """ids [B, L] int64, mask [B, L] bool (loss on token j when mask[j])."""
+def compute_losses(model, mtp, ids, mask, mtp_steps: int, weights=None):
+    """ids [B, L] int64, mask [B, L] bool (loss on token j when mask[j]).
+
+    With `weights` ([B, L] float, 0 where there is no loss) each loss is the weighted mean of
+    the per-token cross entropies, computed over all positions (no boolean indexing, so no
+    host synchronisation); `mask` is then ignored."""
     B, L = ids.shape
     h = model.model(input_ids=ids).last_hidden_state  # post final norm
     lm = model.lm_head
     emb = model.model.embed_tokens
     out = {}
+
+    def ce(states, targets, m, w):
+        if w is None:
+            return F.cross_entropy(lm(states[m]).float(), targets[m])
+        per = F.cross_entropy(lm(states).float().flatten(0, 1), targets.flatten(), reduction="none")
+        w = w.flatten()
+        return (per * w).sum() / w.sum().clamp_min(1e-6)
+
+    def sl(x, a, b=None):
+        return None if x is None else x[:, a:b]
+
     # main: position t predicts tok[t+1]
-    m1 = mask[:, 1:]
-    out["main"] = F.cross_entropy(lm(h[:, :-1][m1]).float(), ids[:, 1:][m1])
+    out["main"] = ce(h[:, :-1], ids[:, 1:], sl(mask, 1), sl(weights, 1))
     # MTP draft 1: (embed tok[t+1], h_t) at RoPE t predicts tok[t+2]
     pos = torch.arange(L, device=ids.device)
     y1 = mtp(emb(ids[:, 1:]), h[:, :-1], pos[: L - 1])  # [B, L-1, H], index t
-    m2 = mask[:, 2:]
-    out["mtp1"] = F.cross_entropy(lm(y1[:, :-1][m2]).float(), ids[:, 2:][m2])
+    out["mtp1"] = ce(y1[:, :-1], ids[:, 2:], sl(mask, 2), sl(weights, 2))
     if mtp_steps >= 2:
         # draft 2: (embed tok[t+2], mtp.norm output at t) at RoPE t+1 predicts tok[t+3]
         y2 = mtp(emb(ids[:, 2:]), y1[:, :-1], pos[1: L - 1])  # index t, length L-2
-        m3 = mask[:, 3:]
-        out["mtp2"] = F.cross_entropy(lm(y2[:, :-1][m3]).float(), ids[:, 3:][m3])
+        out["mtp2"] = ce(y2[:, :-1], ids[:, 3:], sl(mask, 3), sl(weights, 3))
     return out
+
+
+def dense_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """All experts on all tokens as two dense matmuls, each expert's output scaled by its routing
+    weight (0 for the experts a token did not pick): the same function and gradients as the
+    top-k sparse forward, without transformers' per-expert loop and its host synchronisations.
+    8 experts of 128 make this a 256 -> 2048 -> 256 MLP: cheap at this size."""
+    n, hdim = hidden_states.shape
+    e, two_i, _ = self.gate_up_proj.shape
+    w = torch.zeros(n, e, device=hidden_states.device, dtype=top_k_weights.dtype)
+    w = w.scatter(1, top_k_index, top_k_weights)
+    gu = F.linear(hidden_states, self.gate_up_proj.reshape(e * two_i, hdim)).view(n, e, two_i)
+    gate, up = gu.chunk(2, dim=-1)
+    act = self.act_fn(gate) * up * w.unsqueeze(-1).to(up.dtype)  # [n, e, I]
+    down = self.down_proj.permute(1, 0, 2).reshape(hdim, e * (two_i // 2))  # [H, e*I]
+    return F.linear(act.reshape(n, -1), down).to(hidden_states.dtype)
+
+
+def set_experts(modules, impl: str):
+    """impl: 'dense' (dense_experts_forward) or 'eager' (transformers' own)."""
+    import types
+
+    n = 0
+    for mod in modules:
+        for m in mod.modules():
+            if type(m).__name__ == "Qwen3_5MoeExperts":
+                if impl == "dense":
+                    m.forward = types.MethodType(dense_experts_forward, m)
+                elif "forward" in m.__dict__:
+                    del m.forward
+                n += 1
+    return n
 
 
 def lr_at(step, total, peak, warmup, floor=0.05):
@@ -127,39 +171,68 @@ def load_for_training(model_dir, seed):
     return model, mtp
 
 
-def train(args, cfg, rows_ids, rows_mask, steps, device, fh, bench=False):
+def train(args, cfg, rows_ids, rows_mask, steps, device, fh, bench=False, stream=None):
     if args.init_from:
         model, mtp = load_for_training(args.init_from, args.seed)
     else:
         model, mtp = build_model(cfg, args.seed)
+    n_exp = set_experts([model, mtp], args.experts)
+    log(f"experts: {args.experts} ({n_exp} expert modules)", fh)
     model.to(device).train()
     mtp.to(device).train()
     opt = make_optimizer(model, mtp, args.lr, args.wd)
     gates = [m for m in list(model.modules()) + list(mtp.modules()) if type(m).__name__ == "Qwen3_5MoeTopKRouter"]
     store, handles = router_hooks(gates)
     gen = torch.Generator().manual_seed(args.seed + 17)
-    R = rows_ids.shape[0]
-    perm, pi = torch.randperm(R, generator=gen), 0
+    if stream is None:
+        R = rows_ids.shape[0]
+        perm, pi = torch.randperm(R, generator=gen), 0
     warmup = args.warmup if args.warmup >= 0 else max(10, int(0.04 * steps))
+    timed = stream is not None and args.steps <= 0  # the schedule follows the clock (--time-budget)
+    cls_w = torch.tensor([0.0, 1.0, args.w_answer], device=device)
     t0 = time.time()
     times = []
     acc, last = {}, {}
+    n_long = max(1, args.batch * args.row_len // args.long_row_len) if args.long_row_len else 0
     amp = args.amp if args.amp is not None else device.type == "cuda"
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bool(amp))
-    for step in range(steps):
-        if pi + args.batch > R:
-            perm, pi = torch.randperm(R, generator=gen), 0
-        idx = perm[pi: pi + args.batch]
-        pi += args.batch
-        ids = rows_ids[idx].to(device, non_blocking=True).long()
-        mask = rows_mask[idx].to(device, non_blocking=True)
-        lr = lr_at(step, steps, args.lr, warmup, args.lr_floor)
+    step = 0
+    while True:
+        if timed:
+            frac = (time.time() - t0) / args.time_budget
+            if frac >= 1.0:
+                break
+        else:
+            if step >= steps:
+                break
+            frac = step / max(1, steps)
+        weights = None
+        if stream is not None:
+            long_step = bool(n_long) and args.long_every > 0 and step % args.long_every == args.long_every - 1
+            kind = "long" if long_step else "short"
+            ids_np, cls_np = stream.take(kind, n_long if long_step else args.batch)
+            ids = torch.from_numpy(ids_np).to(device, non_blocking=True).long()
+            cls = torch.from_numpy(cls_np).to(device, non_blocking=True).long()
+            weights = cls_w[cls]
+            mask = cls > 0
+        else:
+            if pi + args.batch > R:
+                perm, pi = torch.randperm(R, generator=gen), 0
+            idx = perm[pi: pi + args.batch]
+            pi += args.batch
+            ids = rows_ids[idx].to(device, non_blocking=True).long()
+            mask = rows_mask[idx].to(device, non_blocking=True)
+        if timed:
+            lr = args.lr * (step + 1) / warmup if step < warmup else lr_at(
+                int(frac * 100000), 100000, args.lr, 0, args.lr_floor)
+        else:
+            lr = lr_at(step, steps, args.lr, warmup, args.lr_floor)
         for g in opt.param_groups:
             g["lr"] = lr
         ts = time.time()
         store.clear()
         with autocast:
-            losses = compute_losses(model, mtp, ids, mask, args.mtp_steps)
+            losses = compute_losses(model, mtp, ids, mask, args.mtp_steps, weights)
             aux = balance_loss(store, cfg["num_experts"], cfg["num_experts_per_tok"])
         loss = losses["main"] + args.w_mtp1 * losses["mtp1"] + args.w_aux * aux
         if "mtp2" in losses:
@@ -169,25 +242,34 @@ def train(args, cfg, rows_ids, rows_mask, steps, device, fh, bench=False):
         gn = torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(mtp.parameters()), args.clip)
         opt.step()
         for k, v in list(losses.items()) + [("aux", aux)]:
-            acc[k] = acc.get(k, 0.0) + float(v.detach())
+            acc[k] = acc.get(k, 0.0) + v.detach().float()  # summed on the device: no sync per step
         acc["n"] = acc.get("n", 0) + 1
+        step += 1
         if bench:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.time() - ts)
             continue
-        if (step + 1) % args.log_every == 0 or step == steps - 1:
+        total = "~" if timed else steps
+        if step % args.log_every == 0 or (not timed and step == steps):
             n = acc.pop("n")
-            msg = " ".join(f"{k} {v / n:.4f}" for k, v in acc.items())
-            log(f"step {step + 1}/{steps} lr {lr:.2e} {msg} gnorm {float(gn):.2f} elapsed {time.time() - t0:.0f}s", fh)
-            last = {k: v / n for k, v in acc.items()}
+            msg = " ".join(f"{k} {float(v) / n:.4f}" for k, v in acc.items())
+            extra = ""
+            if stream is not None:
+                extra = " rows used/reused " + ", ".join(f"{k} {stream.used[k]}/{stream.reused[k]}" for k in stream.used)
+            log(f"step {step}/{total} lr {lr:.2e} {msg} gnorm {float(gn):.2f} elapsed {time.time() - t0:.0f}s{extra}", fh)
+            last = {k: float(v) / n for k, v in acc.items()}
             acc = {}
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < steps:
+        if args.save_every and step % args.save_every == 0 and (timed or step < steps):
             save_checkpoint(model, mtp, cfg, args.out, generation_config=generation_config(args.eos_ids))
-            log(f"checkpoint saved at step {step + 1}", fh)
+            log(f"checkpoint saved at step {step}", fh)
         if args.hard_limit and time.time() - t0 > args.hard_limit:
-            log(f"hard time limit reached at step {step + 1}; stopping early", fh)
+            log(f"hard time limit reached at step {step}; stopping early", fh)
             break
+    if acc.get("n") and not last:
+        n = acc.pop("n")
+        last = {k: float(v) / n for k, v in acc.items()}
+    step -= 1  # index of the last step done
     for h in handles:
         h.remove()
     if bench:
@@ -323,6 +405,58 @@ def evaluate(model_dir, device, n_arith=200, n_recall=50, n_tool=24, n_mtp=48, s
     return res
 
 
+# --------------------------------------------------------------------------- streaming run
+
+
+def run_stream(args, cfg, tok_path, mix, device, out, fh, t_start):
+    """Train on rows generated in the background (training/data.py RowStream)."""
+    import transformers
+
+    from training.data import RowStream
+
+    kinds = {"short": (args.row_len, args.max_facts, mix)}
+    shares = {"short": 1.0}
+    if args.long_row_len:
+        kinds["long"] = (args.long_row_len, args.long_max_facts, mix)
+        # tokens per long step == tokens per short step; one step in long_every is long
+        shares = {"short": args.long_every - 1.0, "long": 1.0}
+    t = time.time()
+    ramps = {"short": (args.facts_start, args.facts_ramp)} if args.facts_ramp else None
+    stream = RowStream(str(tok_path), args.seed, kinds, shares, args.workers, chunk_size=args.chunk_size,
+                       max_fresh_rows=args.max_fresh_rows, ramps=ramps)
+    n_long = max(1, args.batch * args.row_len // args.long_row_len) if args.long_row_len else 0
+    stream.wait_for({"short": 4 * args.batch, **({"long": 2 * n_long} if n_long else {})})
+    log(f"row stream: first rows after {time.time() - t:.1f}s ({ {k: stream.available(k) for k in kinds} })", fh)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    steps = args.steps if args.steps > 0 else 0
+    model, mtp, info = train(args, cfg, None, None, steps, device, fh, stream=stream)
+    stream.close()
+    info["steps"] = info["steps_done"]
+    info["rows_used"], info["rows_reused"] = dict(stream.used), dict(stream.reused)
+    info["tokens_seen"] = sum(stream.used[k] * kinds[k][0] for k in kinds) + sum(
+        stream.reused[k] * kinds[k][0] for k in kinds)
+    log(f"trained {info['steps_done']} steps in {info['train_seconds']:.0f}s; final losses {info['final_losses']}; "
+        f"rows used {info['rows_used']} reused {info['rows_reused']}", fh)
+    files = save_checkpoint(model, mtp, cfg, out, generation_config=generation_config(args.eos_ids))
+    if args.copy_tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copyfile(TINY / name, out / name)
+    log(f"saved {[f.name for f in files]} ({sum(f.stat().st_size for f in files) / 1e6:.2f} MB)", fh)
+    del model, mtp
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    result = {"train": info, "wall_seconds_before_eval": time.time() - t_start,
+              "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "transformers": transformers.__version__, "args": vars(args)}
+    if not args.no_eval:
+        result["eval"] = evaluate(out, device, args.eval_arith, args.eval_recall, args.eval_tool, args.eval_mtp, fh=fh,
+                                  tok_dir=TINY)
+    result["wall_seconds"] = time.time() - t_start
+    (out / "train_result.json").write_text(json.dumps(result, indent=2) + "\n")
+    log(f"done in {result['wall_seconds']:.0f}s", fh)
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -365,6 +499,23 @@ def main(argv=None):
     ap.add_argument("--tok-dir", default="")
     ap.add_argument("--copy-tokenizer", action="store_true", help="also copy tokenizer files and template into --out")
     ap.add_argument("--amp", type=int, default=None, help="bf16 autocast (default: on for CUDA)")
+    ap.add_argument("--experts", default="dense", choices=["dense", "eager"],
+                    help="training forward of the routed experts: dense (all experts, routing-weighted, no host "
+                         "syncs) or transformers' eager per-expert loop; saved checkpoints are the same either way")
+    ap.add_argument("--stream", action="store_true",
+                    help="generate rows in background workers while training (fresh data every step); "
+                         "with --time-budget and no --steps the learning-rate schedule follows the clock")
+    ap.add_argument("--w-answer", type=float, default=1.0,
+                    help="(--stream) loss weight of the tokens of looked-up values in recall answers")
+    ap.add_argument("--long-row-len", type=int, default=0, help="(--stream) length of the occasional long rows")
+    ap.add_argument("--long-every", type=int, default=4, help="(--stream) every Nth step is a long-row step")
+    ap.add_argument("--long-max-facts", type=int, default=230)
+    ap.add_argument("--chunk-size", type=int, default=1000, help="(--stream) conversations per generated chunk")
+    ap.add_argument("--max-fresh-rows", type=int, default=3000, help="(--stream) rows generated ahead at most")
+    ap.add_argument("--facts-start", type=int, default=30,
+                    help="(--stream, --facts-ramp) recall curriculum: max facts of the first short-row chunk")
+    ap.add_argument("--facts-ramp", type=int, default=0,
+                    help="(--stream) short-row chunks over which max facts grows from --facts-start to --max-facts")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
 
@@ -396,8 +547,11 @@ def main(argv=None):
     cfg = tiny_config_dict(tok.get_vocab_size(), eos)
     args.eos_ids = eos
 
-    t = time.time()
     mix = dict((k, float(v)) for k, v in (kv.split("=") for kv in args.mix.split(","))) if args.mix else None
+    if args.stream:
+        run_stream(args, cfg, tok_path, mix, device, out, fh, t_start)
+        return
+    t = time.time()
     docs = generate_docs(str(tok_path), args.seed, args.docs, "train", args.max_facts, args.row_len, args.workers,
                          mix=mix)
     ids_np, mask_np = pack(docs, args.row_len, eos[1], args.seed)
