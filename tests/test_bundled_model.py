@@ -78,7 +78,7 @@ def test_transformers_loads_it_and_agrees(engine):
 
 # The shipped weights miss these two bars (issue 3 stays open): strict xfail keeps the check
 # running and turns into a failure the day a retrained model passes, so the marker goes then.
-BELOW_BAR = "bundled model below the issue-3 bar (measured 2026-12-02: arithmetic 0.79, recall@1K 0.00)"
+BELOW_BAR = "bundled model below the issue-3 bar (measured 2026-12-02, stage-3 weights: arithmetic 0.82, recall@1K 0.05)"
 
 
 @pytest.mark.xfail(strict=True, reason=BELOW_BAR)
@@ -112,8 +112,11 @@ def test_quantized_build_within_two_points(quantized_engine, tasks, bf16_scores)
 
 
 def test_int8_lm_head_at_load_keeps_answers(engine):
-    """The load-time INT8 LM head (the CUDA default) against the stored head."""
+    """The load-time INT8 LM head (the CUDA default) against the stored head: logits close, the same greedy
+    answers, and the same top token wherever the stored head's top-2 margin exceeds the quantisation error
+    (at positions no training loss covers the margin can be ~0.04, where either token is an honest argmax)."""
     from roofline.engine.cache import SequenceCache
+    from roofline.engine.sampling import SamplingParams
     from roofline.quant.int8 import Int8RowWeight
 
     int8 = Engine.from_pretrained(None, device="cpu", dtype="float32", int8_lm_head=True)
@@ -121,5 +124,12 @@ def test_int8_lm_head_at_load_keeps_answers(engine):
     ids = torch.tensor(engine.tokenizer.encode("<|im_start|>user\nWhat is 38 + 45?<|im_end|>\n<|im_start|>assistant\n"))
     want = engine.model.logits(engine.model(ids, [len(ids)], [SequenceCache()]))
     got = int8.model.logits(int8.model(ids, [len(ids)], [SequenceCache()]))
-    assert (got - want).abs().max() / want.abs().max() < 2e-2
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    error = (got - want).abs().max()
+    assert error / want.abs().max() < 2e-2
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * error
+    assert clear.sum() >= len(ids) // 2, "most positions should have a clear top token"
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    prompt = ids.tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    assert [e.token_id for e in int8.generate(prompt, params)] == [e.token_id for e in engine.generate(prompt, params)]
