@@ -99,6 +99,22 @@ class FastPath:
         return bool(self.installed) and not self.graph_blockers
 
 
+def install_weight_kernel(weight: LinearWeight) -> str | None:
+    """Give one (non-expert) packed weight its Triton decode `forward`; returns its kind, None for dense."""
+    if isinstance(weight, Int4Weight):
+        from .int4_gemv import is_symmetric
+
+        weight.forward = partial(_int4, weight, is_symmetric(weight.qzeros))
+        return "int4"
+    if isinstance(weight, Fp8BlockWeight):
+        weight.forward = partial(_fp8, weight)
+        return "fp8"
+    if isinstance(weight, Int8RowWeight):
+        weight.forward = partial(_int8, weight)
+        return "int8 lm_head"
+    return None
+
+
 def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPath:
     """Install the Triton decode kernels on `model`; `allow_cpu` (tests) runs them in Triton's interpreter."""
     result = FastPath()
@@ -122,12 +138,10 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
             syms = (is_symmetric(module.gate_up.qzeros), is_symmetric(module.down.qzeros))
             module.forward = partial(_experts, module, syms)
             installed["int4 experts"] += 1
-        elif isinstance(module, Int4Weight) and not module.num_experts:
-            module.forward = partial(_int4, module, is_symmetric(module.qzeros))
-            installed["int4"] += 1
-        elif isinstance(module, Fp8BlockWeight) and not module.num_experts:
-            module.forward = partial(_fp8, module)
-            installed["fp8"] += 1
+        elif isinstance(module, LinearWeight) and not module.num_experts:
+            kind = install_weight_kernel(module)
+            if kind:
+                installed[kind] += 1
         elif isinstance(module, Experts) and module.gate_up.FORMAT == module.down.FORMAT == "dense":
             module.forward = partial(_dense_experts, module)
             installed["dense experts (gathered)"] += 1
@@ -135,9 +149,6 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
             result.graph_blockers.append(
                 f"routed experts stored as {module.gate_up.FORMAT}/{module.down.FORMAT} have no sync-free kernel"
             )
-        elif isinstance(module, Int8RowWeight):
-            module.forward = partial(_int8, module)
-            installed["int8 lm_head"] += 1
         elif isinstance(module, GatedAttention):
             module.slot_step = partial(attention_slot_step, module)
             installed["decode attention"] += 1

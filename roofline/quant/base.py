@@ -77,6 +77,10 @@ class LinearWeight(nn.Module):
     def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
         return F.linear(x, self.dequantize(expert).to(x.dtype))
 
+    def take_rows(self, rows: torch.Tensor) -> "LinearWeight":
+        """A new weight holding only output rows `rows` (e.g. a draft LM head over part of the vocabulary)."""
+        raise NotImplementedError(f"{self.FORMAT} weights cannot be cut to a subset of rows")
+
     @property
     def nbytes(self) -> int:
         """Bytes of storage (all experts together)."""

@@ -22,3 +22,10 @@ class DenseWeight(LinearWeight):
 
     def dequantize(self, expert=None):
         return self.weight if expert is None or not self.num_experts else self.weight[expert]
+
+    def take_rows(self, rows):
+        if self.num_experts:
+            raise NotImplementedError("expert weights cannot be cut to a subset of rows")
+        out = DenseWeight(len(rows), self.in_features, dtype=self.weight.dtype, device=self.weight.device)
+        out.weight.copy_(self.weight[rows])
+        return out

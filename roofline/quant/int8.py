@@ -61,6 +61,14 @@ class Int8RowWeight(LinearWeight):
     def expected_part_shape(self, suffix, out_features):
         return (out_features, self.in_features) if suffix == "weight" else (out_features, 1)
 
+    def take_rows(self, rows):
+        if self.num_experts:
+            raise NotImplementedError("expert weights cannot be cut to a subset of rows")
+        out = Int8RowWeight(len(rows), self.in_features, scale_dtype=self.weight_scale.dtype, device=self.weight.device)
+        out.weight.copy_(self.weight[rows])
+        out.weight_scale.copy_(self.weight_scale[rows])
+        return out
+
     def dequantize(self, expert=None):
         weight, scale = self.weight, self.weight_scale
         if self.num_experts and expert is not None:
