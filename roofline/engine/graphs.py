@@ -20,6 +20,7 @@ from .cache import CachePool, SlotCache
 log = logging.getLogger("roofline.engine")
 
 MIN_SPAN = 1024  # smallest attention-span bucket
+MAX_GRAPH_ROWS = 16  # the expert kernels' limit (dispatch.MAX_EXPERT_TOKENS): beyond it the step runs eagerly
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -101,7 +102,7 @@ class DecodeGraphs:
         buf = self.buffers.get(key)
         if buf is None or (rollback and buf.rollback is None and m > 1):
             buf = self._new_buffers(b, m, rollback)
-            if self.use_graphs:
+            if self.use_graphs and b * m <= MAX_GRAPH_ROWS:
                 self._capture(buf, m, span)
                 log.info("captured the decode step as a CUDA graph: batch %d, %d token(s) per sequence, span %d", b, m, span)
             self.buffers[key] = buf

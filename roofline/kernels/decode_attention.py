@@ -119,7 +119,10 @@ def _decode_attn_kernel(
         tmask = t < end
         offs = kv_base + (t * HKV * D)[:, None] + dd[None, :]
         k = tl.load(k_ptr + offs, mask=tmask[:, None] & dmask[None, :], other=0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BQ, BT], log2 units
+        if q_ptr.dtype.element_ty == tl.float32:  # fp32 (tests against the reference): no TF32 rounding
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BQ, BT], log2 units
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale_log2
         ok = (t[None, :] <= pos[:, None]) & tmask[None, :]
         s = tl.where(ok, s, -1.0e30)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -127,7 +130,10 @@ def _decode_attn_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + offs, mask=tmask[:, None] & dmask[None, :], other=0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if q_ptr.dtype.element_ty == tl.float32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # workspace per (b, kvh, split): [BQ] max, [BQ] sum, [BQ, BD] unnormalised output
     WS: tl.constexpr = BQ * (BD + 2)

@@ -15,32 +15,36 @@ import torch
 from .base import LinearWeight, PartLayout, stacked
 
 PACK = 8  # nibbles per int32
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def _shifts(device) -> torch.Tensor:
+    """0, 4, ..., 28, made on the device (a host tensor cannot be copied in during CUDA-graph capture)."""
+    return torch.arange(0, 32, 4, dtype=torch.int32, device=device)
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """[..., R, C] int32 holding 8 nibbles along R -> [..., 8R, C] values 0..15."""
-    nib = (packed.unsqueeze(-2) >> _SHIFTS.to(packed.device).view(-1, 1)) & 0xF  # [..., R, 8, C]
+    nib = (packed.unsqueeze(-2) >> _shifts(packed.device).view(-1, 1)) & 0xF  # [..., R, 8, C]
     return nib.reshape(*packed.shape[:-2], packed.shape[-2] * PACK, packed.shape[-1])
 
 
 def unpack_cols(packed: torch.Tensor) -> torch.Tensor:
     """[..., R, C] int32 holding 8 nibbles along C -> [..., R, 8C]."""
-    nib = (packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 0xF  # [..., R, C, 8]
+    nib = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 0xF  # [..., R, C, 8]
     return nib.reshape(*packed.shape[:-1], packed.shape[-1] * PACK)
 
 
 def pack_rows(values: torch.Tensor) -> torch.Tensor:
     """Inverse of unpack_rows: [..., 8R, C] values 0..15 -> [..., R, C] int32."""
     v = values.to(torch.int64).reshape(*values.shape[:-2], values.shape[-2] // PACK, PACK, values.shape[-1])
-    packed = (v << _SHIFTS.to(torch.int64).view(-1, 1)).sum(-2)
+    packed = (v << _shifts(v.device).to(torch.int64).view(-1, 1)).sum(-2)
     return _to_int32(packed)
 
 
 def pack_cols(values: torch.Tensor) -> torch.Tensor:
     """Inverse of unpack_cols: [..., R, 8C] -> [..., R, C] int32."""
     v = values.to(torch.int64).reshape(*values.shape[:-1], values.shape[-1] // PACK, PACK)
-    return _to_int32((v << _SHIFTS.to(torch.int64)).sum(-1))
+    return _to_int32((v << _shifts(v.device).to(torch.int64)).sum(-1))
 
 
 def _to_int32(packed64: torch.Tensor) -> torch.Tensor:
