@@ -36,7 +36,17 @@ from .int4_gemv import (
     rows_per_step,
     use_tc,
 )
-from .int4_tc import GROUP, default_tc_config, launch_options, tc_geometry, tc_groups, tc_supported
+from .int4_tc import (
+    GROUP,
+    default_tc_config,
+    lane_index,
+    launch_options,
+    out_index,
+    sum_warp_rows,
+    tc_geometry,
+    tc_groups,
+    tc_supported,
+)
 
 
 def experts_gate_up_reference(x, ids, qweight, qzeros, scales, group_size: int = 128) -> torch.Tensor:
@@ -300,19 +310,30 @@ def experts_down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qw
 
 @triton.jit
 def _rows_of(vals, rsel, CH: tl.constexpr):
-    """vals[rsel] for a [CH] vector and a [4, 1, 4, 1] index tensor (rsel >= CH reads 0)."""
-    rr = tl.arange(0, CH)[None, None, None, None, :]
-    return tl.sum(tl.where(rsel[:, :, :, :, None] == rr, vals[None, None, None, None, :], 0), axis=4)
+    """vals[rsel] for a [CH] vector and an [R, 1] index tensor (rsel >= CH reads 0)."""
+    rr = tl.arange(0, CH)[None, None, :]
+    return tl.sum(tl.where(rsel[:, :, None] == rr, vals[None, None, :], 0), axis=2)
 
 
 @triton.jit
-def _chunk_xrow(row_words, routed, WN: tl.constexpr, CH: tl.constexpr):
-    """[1, 1, G, 1, 1] x word offsets of chunk row gi % 8 (row 0 of x where the row is absent or not routed)."""
-    G: tl.constexpr = 8 * WN
-    g8 = tl.arange(0, G) % 8
-    rr = tl.arange(0, CH)
-    xrow = tl.sum(tl.where(g8[:, None] == rr[None, :], tl.where(routed, row_words, 0)[None, :], 0), axis=1)
-    return tl.multiple_of(xrow, 16)[None, None, :, None, None]
+def _chunk_xrow(row_words, routed, WN: tl.constexpr, KW: tl.constexpr, CH: tl.constexpr):
+    """[L, 1] x word offsets of chunk row g of each tile row (row 0 of x where absent or not routed)."""
+    g, t, wn, kw = lane_index(WN, KW)
+    xrow = _rows_of(tl.where(routed, row_words, 0), g, CH)
+    return tl.multiple_of(xrow, [16, 16])
+
+
+@triton.jit
+def _tc_out_rows(tok, choice, routed, colbase, WN: tl.constexpr, CH: tl.constexpr, TOPK: tl.constexpr):
+    """For the [32 WN, 4] results of chunk rows 2t (y0) and 2t + 1 (y1): (act rows, masks) of each, and columns."""
+    r0, col = out_index(colbase, WN)  # r0 [32 WN, 1]
+    rows = tok * TOPK + choice
+    ok = routed.to(tl.int32)
+    row0 = _rows_of(rows, r0, CH)
+    row1 = _rows_of(rows, r0 + 1, CH)
+    m0 = _rows_of(ok, r0, CH) > 0
+    m1 = _rows_of(ok, r0 + 1, CH) > 0
+    return row0, row1, m0, m1, col
 
 
 @triton.jit
@@ -322,7 +343,6 @@ def _gate_up_tc_kernel(
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    G: tl.constexpr = 8 * WN
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -333,44 +353,46 @@ def _gate_up_tc_kernel(
     if is_owner:
         e64 = e.to(tl.int64)
         colbase = pid_n * (32 * WN)
-        xrow = _chunk_xrow(tok * K2, routed, WN, CH)
+        xrow = _chunk_xrow(tok * K2, routed, WN, KW, CH)
         g_start = pid_k * GPS
         g_end = tl.minimum(g_start + GPS, GROUPS)
-        gate, up = tc_groups(x32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E, colbase, I,
-                             2 * I, g_start, g_end, KW, G, SYM, BF16, True, EMULATE)
-        gate = tl.sum(gate, axis=1)  # [4, G, 4, 4]: (h, gi, t, v) = chunk row 2t + h, column colbase + 4 gi + v
-        up = tl.sum(up, axis=1)
-        s = tl.arange(0, 4)[:, None, None, None]
-        g4 = tl.arange(0, G)[None, :, None, None]
-        t = tl.arange(0, 4)[None, None, :, None]
-        v = tl.arange(0, 4)[None, None, None, :]
-        col = colbase + 4 * g4 + v
-        r = tl.where(s < 2, 2 * t + s, CH)  # chunk row (CH: none)
-        row = _rows_of(tok * TOPK + choice, r, CH)  # (token, choice) row of act
-        omask = (_rows_of(routed.to(tl.int32), r, CH) > 0) & (col < I)
+        g0, g1, u0, u1 = tc_groups(x32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E, colbase,
+                                   I, 2 * I, g_start, g_end, WN, KW, SYM, BF16, True, EMULATE)
+        g0 = sum_warp_rows(g0, WN, KW)  # chunk row 2t
+        g1 = sum_warp_rows(g1, WN, KW)  # chunk row 2t + 1
+        u0 = sum_warp_rows(u0, WN, KW)
+        u1 = sum_warp_rows(u1, WN, KW)
+        row0, row1, m0, m1, col = _tc_out_rows(tok, choice, routed, colbase, WN, CH, TOPK)
         if SPLIT_K == 1:
-            act = gate / (1.0 + tl.exp(-gate)) * up
-            tl.store(act_ptr + row * I + col, act.to(act_ptr.dtype.element_ty), mask=omask)
+            tl.store(act_ptr + row0 * I + col, (g0 / (1.0 + tl.exp(-g0)) * u0).to(act_ptr.dtype.element_ty), mask=m0)
+            tl.store(act_ptr + row1 * I + col, (g1 / (1.0 + tl.exp(-g1)) * u1).to(act_ptr.dtype.element_ty), mask=m1)
         else:
             # workspace [SPLIT_K, T*TOPK, 2, I]
-            base = ws_ptr + pid_k * (T * TOPK * 2 * I) + row * (2 * I) + col
-            tl.store(base, gate, mask=omask)
-            tl.store(base + I, up, mask=omask)
+            base = ws_ptr + pid_k * (T * TOPK * 2 * I) + col
+            tl.store(base + row0 * (2 * I), g0, mask=m0)
+            tl.store(base + row0 * (2 * I) + I, u0, mask=m0)
+            tl.store(base + row1 * (2 * I), g1, mask=m1)
+            tl.store(base + row1 * (2 * I) + I, u1, mask=m1)
             cnt = cnt_ptr + pid_s * tl.num_programs(0) + pid_n
             if arrive(cnt, SPLIT_K):
-                g = tl.zeros([4, G, 4, 4], dtype=tl.float32)
-                u = tl.zeros([4, G, 4, 4], dtype=tl.float32)
-                offs = row * (2 * I) + col
-                for c in tl.static_range(0, SPLITP, 4):  # 4 splits' partials loaded together
-                    sp = c + tl.arange(0, 4)[:, None, None, None, None]
-                    m5 = (sp < SPLIT_K) & omask[None]
-                    g += tl.sum(tl.load(ws_ptr + sp * (T * TOPK * 2 * I) + offs[None], mask=m5, other=0,
-                                        cache_modifier=".cg"), axis=0)
-                    u += tl.sum(tl.load(ws_ptr + sp * (T * TOPK * 2 * I) + I + offs[None], mask=m5, other=0,
-                                        cache_modifier=".cg"), axis=0)
-                act = g / (1.0 + tl.exp(-g)) * u
-                tl.store(act_ptr + row * I + col, act.to(act_ptr.dtype.element_ty), mask=omask)
+                _gate_up_tc_finish(ws_ptr, act_ptr, row0, m0, col, T, I, TOPK, WN, SPLIT_K, SPLITP)
+                _gate_up_tc_finish(ws_ptr, act_ptr, row1, m1, col, T, I, TOPK, WN, SPLIT_K, SPLITP)
                 reset(cnt)
+
+
+@triton.jit
+def _gate_up_tc_finish(ws_ptr, act_ptr, row, mask, col, T, I, TOPK: tl.constexpr, WN: tl.constexpr, SPLIT_K,
+                       SPLITP: tl.constexpr):
+    """Sum the K splits' gate and up partials of one set of rows and store silu(gate) * up."""
+    g = tl.zeros([32 * WN, 4], dtype=tl.float32)
+    u = tl.zeros([32 * WN, 4], dtype=tl.float32)
+    offs = (row * (2 * I) + col)[None]
+    for c in tl.static_range(0, SPLITP, 4):  # 4 splits' partials loaded together
+        sp = c + tl.arange(0, 4)[:, None, None]
+        m3 = (sp < SPLIT_K) & mask[None]
+        g += tl.sum(tl.load(ws_ptr + sp * (T * TOPK * 2 * I) + offs, mask=m3, other=0, cache_modifier=".cg"), axis=0)
+        u += tl.sum(tl.load(ws_ptr + sp * (T * TOPK * 2 * I) + I + offs, mask=m3, other=0, cache_modifier=".cg"), axis=0)
+    tl.store(act_ptr + row * I + col, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -380,7 +402,6 @@ def _down_tc_kernel(
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    G: tl.constexpr = 8 * WN
     BN: tl.constexpr = 32 * WN
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -390,26 +411,21 @@ def _down_tc_kernel(
     slot = pid_s % SLOTS
     colbase = pid_n * BN
     is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
-    row = tok * TOPK + choice  # [CH] rows of act / routing weights
     if is_owner:
         e64 = e.to(tl.int64)
-        xrow = _chunk_xrow(row * I2, routed, WN, CH)
+        xrow = _chunk_xrow((tok * TOPK + choice) * I2, routed, WN, KW, CH)
         g_start = pid_k * GPS
         g_end = tl.minimum(g_start + GPS, GROUPS)
-        y, _ = tc_groups(act32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E, colbase, 0,
-                         H, g_start, g_end, KW, G, SYM, BF16, False, EMULATE)
-        y = tl.sum(y, axis=1)
-        s = tl.arange(0, 4)[:, None, None, None]
-        g4 = tl.arange(0, G)[None, :, None, None]
-        t = tl.arange(0, 4)[None, None, :, None]
-        v = tl.arange(0, 4)[None, None, None, :]
-        col = colbase + 4 * g4 + v
-        r = tl.where(s < 2, 2 * t + s, CH)
-        rows = _rows_of(row, r, CH)
-        omask = (_rows_of(routed.to(tl.int32), r, CH) > 0) & (col < H)
-        w = tl.load(wts_ptr + rows, mask=omask, other=0).to(tl.float32)
+        y0, y1, _, _ = tc_groups(act32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E,
+                                 colbase, 0, H, g_start, g_end, WN, KW, SYM, BF16, False, EMULATE)
+        y0 = sum_warp_rows(y0, WN, KW)
+        y1 = sum_warp_rows(y1, WN, KW)
+        row0, row1, m0, m1, col = _tc_out_rows(tok, choice, routed, colbase, WN, CH, TOPK)
+        w0 = tl.load(wts_ptr + row0, mask=m0, other=0).to(tl.float32)
+        w1 = tl.load(wts_ptr + row1, mask=m1, other=0).to(tl.float32)
         # workspace [SPLIT_K, T*TOPK, H]
-        tl.store(ws_ptr + pid_k * (T * TOPK * H) + rows * H + col, y * w, mask=omask)
+        tl.store(ws_ptr + pid_k * (T * TOPK * H) + row0 * H + col, y0 * w0, mask=m0)
+        tl.store(ws_ptr + pid_k * (T * TOPK * H) + row1 * H + col, y1 * w1, mask=m1)
     # every program of this (chunk, column tile) arrives; the last sums choices and splits in order
     n_offs = colbase + tl.arange(0, BN)
     n_mask = n_offs < H

@@ -21,18 +21,19 @@ Why: the per-lane FMA path (int4_gemv.int4_group_dot) spends ~36 instructions pe
   of fp32's 24 bits.
 
 How the data meets the mma fragments without a repack. The weights of one step (a quantisation
-group per warp row) are loaded as a [4 (s), KW, G, 4 (t), 4 (v)] int32 tensor: element
-(s, kw, gi, t, v) is packed row 16 * group(kw) + 4 s + t, column colbase + 4 gi + v. Triton's
-coalescing gives it the blocked layout sizePerThread [1,1,1,1,4] (one 16-byte vector along v),
-lanes along t then gi, warps along gi then kw, s in registers: lane l holds t = l % 4,
-gi % 8 = l // 4, which is mma's (groupID, threadID_in_group) = (l >> 2, l & 3). All threads
+group per warp row) are loaded as four [L, 4] int32 tensors (k-steps s = 0..3), L = 32 warps:
+row l = lane 4 g + t of warp w holds packed row 16 * group(w) + 4 s + t, columns
+colbase + 32 wn + 4 g + v. Triton's coalescing gives a 2-D tile with one 4-wide contiguous axis
+the blocked layout sizePerThread [1, 4] (one 16-byte vector), 32 lanes along l: lane l % 32 holds
+row l, i.e. t = lane & 3 and g = lane >> 2, mma's (threadID_in_group, groupID). All threads
 with the same t hold the same packed row, so mma k-slots {2t, 2t+1, 2t+8, 2t+9} map to one set of
 k for the whole warp (nibbles (0, 4), (1, 5) for the first k-half, (2, 6), (3, 7) for the second);
 tile p takes words 2p (A row g) and 2p + 1 (A row g + 8). The C fragment of lane (g, t) then holds
-its own columns 4 gi + v for tokens 2t and 2t + 1. x is loaded as raw 32-bit words in the same
-shape (element (s, .., gi, t, w) = words 4 kp + w of token gi % 8) and paired into (x_j, x_{j+4})
-by PRMT. The layout is checked where it matters: `pack=16` fails to compile unless each thread
-holds 16 elements, the GPU tests compare with the reference, and tests/test_kernels.py runs the
+its own columns for tokens 2t and 2t + 1. x is loaded as raw 32-bit words in the same shape
+(row l: words 4 kp + w of token g) and paired into (x_j, x_{j+4}) by PRMT. (A first version
+loaded one 5-D [4, KW, G, 4, 4] tile; triton 3.6 breaks ties between equally non-contiguous axes
+the other way from 3.9 and put the lanes along s: wrong results on the H200, run 3.) The GPU
+tests compare with the reference, and tests/test_kernels.py runs the
 generated PTX through a lane-level simulator (`simulate_group_asm`) against the plain formula.
 
 Under TRITON_INTERPRET=1 (no inline assembly) `emulate_group` computes the same per-element
@@ -64,11 +65,11 @@ def _gen_asm(bf16: bool) -> str:
     the B pair two PRMTs of x: no register copies. C row g / g + 8 is the thread's own column
     4 gi + 2p / + 1; C columns are tokens 2t and 2t + 1.
 
-    Operands (pack=16, thread element e = 4 s + v):
-      $0..$15  y out (tied to $64..$79): e = 4 h + v is token 2t + h at column 4 gi + v (h < 2)
-      $16..$31 q: packed word of k-step s, column 4 gi + v
-      $32..$47 x: raw 32-bit words, e = 4 s + w holds x[8 kp + 2w], x[8 kp + 2w + 1] of token g
-      $48..$63 sz: e = v the scale of column v, e = 4 + v -(MB + zero) of column v
+    Operands (pack=4: each tensor argument gives the thread's 4 elements v of one 16-byte vector):
+      $0..$7   y0, y1 out (tied to $48..$55): $(4h + v) is token 2t + h at the thread's column v
+      $8..$23  q0..q3: $(8 + 4s + v) the packed word of k-step s (packed row 4 s + t), column v
+      $24..$39 x0..x3: $(24 + 4s + w) raw 32-bit word w of x at packed row 4 s + t, token g
+      $40..$43 scale of column v; $44..$47 -(MB + zero) of column v
     """
     magic = "0x43004300" if bf16 else "0x64006400"
     one = "0x3F803F80" if bf16 else "0x3C003C00"
@@ -81,7 +82,7 @@ def _gen_asm(bf16: bool) -> str:
         ".reg .f32 rc<8>, rs<4>, rt;",
     ] + [f"mov.b32 ro{i}, {one};" for i in range(4)]
     for s in range(4):
-        x = [f"${32 + 4 * s + w}" for w in range(4)]
+        x = [f"${24 + 4 * s + w}" for w in range(4)]
         b = [f"rb{4 * s + i}" for i in range(4)]
         lines += [
             f"prmt.b32 {b[0]}, {x[0]}, {x[2]}, 0x5410;",  # (x0, x4)
@@ -99,7 +100,7 @@ def _gen_asm(bf16: bool) -> str:
         ]
         p = {}
         for v in range(4):
-            q = f"${16 + 4 * s + v}"
+            q = f"${8 + 4 * s + v}"
             r = [f"rp{8 * (s % 2) + 4 * v + i}" for i in range(4)]  # (q0,q4), (q1,q5), (q2,q6), (q3,q7)
             p[v] = r
             lines += [
@@ -125,8 +126,8 @@ def _gen_asm(bf16: bool) -> str:
         for h in range(2):
             e = 4 * h + v
             lines += [
-                f"fma.rn.f32 rt, ${48 + 4 + v}, rs{h}, rc{4 * tile + 2 * row + h};",  # acc - (MB + zero) * sum_x
-                f"fma.rn.f32 ${e}, ${48 + v}, rt, ${e};",  # y += scale * (...)
+                f"fma.rn.f32 rt, ${44 + v}, rs{h}, rc{4 * tile + 2 * row + h};",  # acc - (MB + zero) * sum_x
+                f"fma.rn.f32 ${e}, ${40 + v}, rt, ${e};",  # y += scale * (...)
             ]
     lines.append("}")
     return "\n".join(lines)
@@ -134,22 +135,25 @@ def _gen_asm(bf16: bool) -> str:
 
 ASM_BF16 = tl.constexpr(_gen_asm(True))
 ASM_F16 = tl.constexpr(_gen_asm(False))
-ASM_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 16 + ["r"] * 32 + ["f"] * 16 + [str(i) for i in range(16)]))
+ASM_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 32 + ["f"] * 8 + [str(i) for i in range(8)]))
 
 
 @triton.jit
-def _asm_group(q, xr, sz, y, BF16: tl.constexpr):
+def _asm_group(q0, q1, q2, q3, x0, x1, x2, x3, sc, nb, y0, y1, BF16: tl.constexpr):
+    args = [q0, q1, q2, q3, x0, x1, x2, x3, sc, nb, y0, y1]
     if BF16:
-        return tl.inline_asm_elementwise(ASM_BF16, ASM_CONSTRAINTS, [q, xr, sz, y], dtype=tl.float32, is_pure=True, pack=16)
+        return tl.inline_asm_elementwise(ASM_BF16, ASM_CONSTRAINTS, args, dtype=(tl.float32, tl.float32), is_pure=True,
+                                         pack=4)
     else:
-        return tl.inline_asm_elementwise(ASM_F16, ASM_CONSTRAINTS, [q, xr, sz, y], dtype=tl.float32, is_pure=True, pack=16)
+        return tl.inline_asm_elementwise(ASM_F16, ASM_CONSTRAINTS, args, dtype=(tl.float32, tl.float32), is_pure=True,
+                                         pack=4)
 
 
 @triton.jit
 def _x_half(words, j: tl.constexpr, BF16: tl.constexpr):
-    """Element j (0..7) of the 8 16-bit x values held as 4 raw words along the last axis, as fp32."""
-    w4 = tl.arange(0, 4)[None, None, None, None, :]
-    wd = tl.sum(tl.where(w4 == j // 2, words, 0), axis=4)
+    """Element j (0..7) of the 8 16-bit x values held as 4 raw words along the last axis (of 4), as fp32."""
+    w4 = tl.arange(0, 4)[None, None, None, :]
+    wd = tl.sum(tl.where(w4 == j // 2, words, 0), axis=3)
     bits = (wd >> (16 * (j % 2))) & 0xFFFF
     if BF16:
         return (bits << 16).to(tl.float32, bitcast=True)
@@ -158,144 +162,218 @@ def _x_half(words, j: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def emulate_group(q, xr, sz, y, MB: tl.constexpr, BF16: tl.constexpr, KW: tl.constexpr, G: tl.constexpr):
+def _emulate_step(q, xw, c0, c1, sx0, sx1, MB: tl.constexpr, BF16: tl.constexpr, W: tl.constexpr):
+    """One k-step of `emulate_group`: lane (g, t) of warp w holds q and x words at [w * 32 + 4 g + t, v]."""
+    hh = tl.arange(0, 2)[None, None, :, None]
+    qq = tl.reshape(q, [W, 8, 4, 4])  # (w, g, t', v)
+    xx = tl.reshape(xw, [W, 8, 4, 4])  # (w, g' = token, t', word)
+    for j in tl.static_range(8):
+        xj = tl.reshape(_x_half(xx, j, BF16), [W, 4, 2, 4])  # (w, t, h, t'): token 2t + h
+        x0 = tl.sum(tl.where(hh == 0, xj, 0.0), axis=2)  # (w, t, t')
+        x1 = tl.sum(tl.where(hh == 1, xj, 0.0), axis=2)
+        nib = ((qq >> (4 * j)) & 0xF).to(tl.float32) + MB  # (w, g, t', v)
+        wb = nib[:, :, None, :, :]  # (w, g, 1, t', v)
+        c0 += tl.sum(wb * x0[:, None, :, :, None], axis=3)  # (w, g, t, v)
+        c1 += tl.sum(wb * x1[:, None, :, :, None], axis=3)
+        sx0 += tl.sum(x0, axis=2)  # (w, t)
+        sx1 += tl.sum(x1, axis=2)
+    return c0, c1, sx0, sx1
+
+
+@triton.jit
+def emulate_group(q0, q1, q2, q3, x0, x1, x2, x3, sc, nb, y0, y1, MB: tl.constexpr, BF16: tl.constexpr, L: tl.constexpr):
     """What `_asm_group` computes, element by element, in plain Triton (for the interpreter).
 
-    y[h, kw, gi, t, v] += scale(v) * sum over the group of (q - zero) * x[token 2t + h]: the x of
-    token 2t + h is the one loaded by lane group g = 2t + h of the same 8-lane block.
+    y_h[w * 32 + 4 g + t, v] += scale * sum over the group of (q - zero) * x[token 2t + h] at the
+    column of word v of lane (g, t): the x of token 2t + h is the one loaded by lane group 2t + h.
     """
-    R: tl.constexpr = G // 8
-    s4 = tl.arange(0, 4)[:, None, None, None, None]
-    hh = tl.arange(0, 2)[None, None, None, None, :, None]
-    c0 = tl.zeros([KW, R, 8, 4, 4], dtype=tl.float32)
-    c1 = tl.zeros([KW, R, 8, 4, 4], dtype=tl.float32)
-    sx0 = tl.zeros([KW, R, 4], dtype=tl.float32)
-    sx1 = tl.zeros([KW, R, 4], dtype=tl.float32)
-    for j in tl.static_range(8):
-        xj = tl.reshape(_x_half(xr, j, BF16), [4, KW, R, 4, 2, 4])  # (s, kw, r, t, h, t')
-        x0 = tl.sum(tl.where(hh == 0, xj, 0.0), axis=4)  # (s, kw, r, t, t'): token 2t
-        x1 = tl.sum(tl.where(hh == 1, xj, 0.0), axis=4)  # token 2t + 1
-        nib = tl.reshape(((q >> (4 * j)) & 0xF).to(tl.float32) + MB, [4, KW, R, 8, 4, 4])  # (s, kw, r, g, t', v)
-        wb = nib[:, :, :, :, None, :, :]  # (s, kw, r, g, 1, t', v)
-        c0 += tl.sum(tl.sum(wb * x0[:, :, :, None, :, :, None], axis=5), axis=0)
-        c1 += tl.sum(tl.sum(wb * x1[:, :, :, None, :, :, None], axis=5), axis=0)
-        sx0 += tl.sum(tl.sum(x0, axis=4), axis=0)
-        sx1 += tl.sum(tl.sum(x1, axis=4), axis=0)
-    scale = tl.reshape(tl.sum(tl.where(s4 == 0, sz, 0.0), axis=0), [KW, R, 8, 4, 4])
-    nb = tl.reshape(tl.sum(tl.where(s4 == 1, sz, 0.0), axis=0), [KW, R, 8, 4, 4])
-    y0 = tl.reshape(scale * (c0 + nb * sx0[:, :, None, :, None]), [KW, G, 4, 4])
-    y1 = tl.reshape(scale * (c1 + nb * sx1[:, :, None, :, None]), [KW, G, 4, 4])
-    return y + tl.where(s4 == 0, y0[None, :, :, :, :], tl.where(s4 == 1, y1[None, :, :, :, :], 0.0))
+    W: tl.constexpr = L // 32
+    c0 = tl.zeros([W, 8, 4, 4], dtype=tl.float32)
+    c1 = tl.zeros([W, 8, 4, 4], dtype=tl.float32)
+    sx0 = tl.zeros([W, 4], dtype=tl.float32)
+    sx1 = tl.zeros([W, 4], dtype=tl.float32)
+    c0, c1, sx0, sx1 = _emulate_step(q0, x0, c0, c1, sx0, sx1, MB, BF16, W)
+    c0, c1, sx0, sx1 = _emulate_step(q1, x1, c0, c1, sx0, sx1, MB, BF16, W)
+    c0, c1, sx0, sx1 = _emulate_step(q2, x2, c0, c1, sx0, sx1, MB, BF16, W)
+    c0, c1, sx0, sx1 = _emulate_step(q3, x3, c0, c1, sx0, sx1, MB, BF16, W)
+    s4 = tl.reshape(sc, [W, 8, 4, 4])
+    n4 = tl.reshape(nb, [W, 8, 4, 4])
+    y0 += tl.reshape(s4 * (c0 + n4 * sx0[:, None, :, None]), [L, 4])
+    y1 += tl.reshape(s4 * (c1 + n4 * sx1[:, None, :, None]), [L, 4])
+    return y0, y1
 
 
 @triton.jit
-def _scale_bias(sc, s, grp, qz_ptr, colf, N, MB: tl.constexpr, SYM: tl.constexpr):
-    """sz of one group: the column scales (s = 0) and -(MB + zero) (s = 1); sc is valid at s = 0."""
+def _neg_bias(grp, qz_ptr, col, N, MB: tl.constexpr, SYM: tl.constexpr):
+    """-(MB + zero) of each column, [L, 4] fp32."""
     if SYM:
-        nb = -(MB + 8.0)
+        return tl.full(col.shape, -(MB + 8.0), tl.float32)
     else:
-        zw = tl.load(qz_ptr + grp * (N // 8) + colf // 8, mask=s == 1)
-        nb = -(MB + 1.0) - ((zw >> (colf % 8 * 4)) & 0xF).to(tl.float32)
-    return tl.where(s == 0, sc.to(tl.float32), tl.where(s == 1, nb, 0.0))
+        zw = tl.load(qz_ptr + grp * (N // 8) + col // 8)
+        return -(MB + 1.0) - ((zw >> (col % 8 * 4)) & 0xF).to(tl.float32)
 
 
 @triton.jit
-def _group_math(q, xr, sz, y, MB: tl.constexpr, BF16: tl.constexpr, KW: tl.constexpr, G: tl.constexpr,
-                EMULATE: tl.constexpr):
+def _group_math(q0, q1, q2, q3, x0, x1, x2, x3, sc, nb, y0, y1, MB: tl.constexpr, BF16: tl.constexpr,
+                L: tl.constexpr, EMULATE: tl.constexpr):
     if EMULATE:
-        return emulate_group(q, xr, sz, y, MB, BF16, KW, G)
+        return emulate_group(q0, q1, q2, q3, x0, x1, x2, x3, sc, nb, y0, y1, MB, BF16, L)
+    elif EMULATE is None:  # benchmark probe: the same loads, almost no math (what the access pattern alone costs)
+        mix = (q0 ^ q1 ^ q2 ^ q3 ^ x0 ^ x1 ^ x2 ^ x3).to(tl.float32)
+        return y0 + mix * sc, y1 + nb
     else:
-        return _asm_group(q, xr, sz, y, BF16)
+        return _asm_group(q0, q1, q2, q3, x0, x1, x2, x3, sc, nb, y0, y1, BF16)
+
+
+@triton.jit
+def lane_index(WN: tl.constexpr, KW: tl.constexpr):
+    """(g, t, wn, kw) of each row l of an [L, 4] tile, L = 32 WN KW: lane l % 32 = 4 g + t of warp l // 32 = kw WN + wn."""
+    L: tl.constexpr = 32 * WN * KW
+    l = tl.arange(0, L)[:, None]
+    lane = l % 32
+    w = l // 32
+    return lane // 4, lane % 4, w % WN, w // WN
 
 
 @triton.jit
 def tc_groups(
     x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, col2, N, g_start, g_end,
-    KW: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr, EMULATE: tl.constexpr,
+    WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """Partial products over quantisation groups [g_start, g_end) for up to 8 token rows.
 
-    x32_ptr: x as int32 words (two 16-bit values each); xrow [1, 1, G, 1, 1]: word offset of the x
-    row of token gi % 8 (any valid row where the token is absent). g_end - g_start must be a
-    positive multiple of KW (each warp-row kw takes group g0 + kw of every step). Returns y
-    [4, KW, G, 4, 4] fp32: sum it over axis 1; element (h, gi, t, v), h < 2, is token 2t + h at
-    column colbase + 4 gi + v (h >= 2: unused). With DUAL, a second y for
-    columns + col2 (the up half of gate_up), sharing the x loads.
+    Tiles are [L, 4] (L = 32 WN KW), row l = lane 4 g + t of warp kw WN + wn: 2-D with a 4-wide
+    contiguous axis, so Triton's coalescing gives sizePerThread [1, 4], 32 lanes along l, warps
+    along l, whatever its tie-breaking between axes (a 5-D version got a different lane order on
+    triton 3.6 than on 3.9). Each k-step s of a group is its own tensor.
+
+    x32_ptr: x as int32 words (two 16-bit values each); xrow [L, 1]: word offset of the x row of
+    token g (any valid row where the token is absent). g_end - g_start must be a positive multiple
+    of KW (warp row kw takes group g0 + kw of each step). Returns (y0, y1) [L, 4] fp32, tokens 2t
+    and 2t + 1 at column colbase + 32 wn + 4 g + v (sum the KW warp rows), and with DUAL the same
+    pair for columns + col2 (the up half of gate_up), sharing the x loads.
 
     Two steps per loop iteration with two register buffers (A, B): each buffer's next loads go out
-    before the other's math, and no register is copied between iterations. Pointers advance by
-    one step; loads past the end are masked off (no fill value: their registers are never used).
+    before the other's math, and no register is copied between iterations. Loads past the end
+    are masked off (no fill value: their registers are never used).
     """
     MB: tl.constexpr = 128.0 if BF16 else 1024.0
-    s = tl.arange(0, 4)[:, None, None, None, None]
-    kw = tl.arange(0, KW)[None, :, None, None, None]
-    gi = tl.arange(0, G)[None, None, :, None, None]
-    t = tl.arange(0, 4)[None, None, None, :, None]
-    v = tl.arange(0, 4)[None, None, None, None, :]
-    colq = colbase + 4 * gi + v  # [1, 1, G, 1, 4] word columns, also the result columns
-    colf = colq + 0 * s + 0 * t  # the same as a full [4, 1, G, 4, 4] tensor (scale loads in the q layout)
-    kp0 = (g_start + kw) * 16 + 4 * s + t  # [4, KW, 1, 4, 1] packed rows of the first step
-    qp = qw_ptr + kp0 * N + colq
-    xp = x32_ptr + xrow + kp0 * 4 + v
-    sp = sc_ptr + (g_start + kw) * N + colf
-    qp2 = qp + col2
-    sp2 = sp + col2
+    L: tl.constexpr = 32 * WN * KW
+    g, t, wn, kw = lane_index(WN, KW)
+    v = tl.arange(0, 4)[None, :]
+    col = colbase + 32 * wn + 4 * g + v  # [L, 4] word columns, also the result columns
+    grp = g_start + kw  # [L, 1]
+    kp = grp * 16 + t  # packed row of k-step 0
+    qp = qw_ptr + kp * N + col
+    xp = x32_ptr + xrow + kp * 4 + v
+    sp = sc_ptr + grp * N + col
+    R4 = 4 * N  # one k-step: 4 packed rows
     QSTEP = 16 * KW * N
     SSTEP = KW * N
     XSTEP: tl.constexpr = 64 * KW
-    half = s == 0  # scales are read once (s = 0); the other copies are masked off
-    y = tl.zeros([4, KW, G, 4, 4], dtype=tl.float32)
-    y2 = tl.zeros([4, KW, G, 4, 4], dtype=tl.float32)
-    qa = tl.load(qp)
-    xa = tl.load(xp)
-    sa = tl.load(sp, mask=half)
-    qa2 = qa
-    sa2 = sa
+    y0 = tl.zeros([L, 4], dtype=tl.float32)
+    y1 = tl.zeros([L, 4], dtype=tl.float32)
+    u0 = tl.zeros([L, 4], dtype=tl.float32)
+    u1 = tl.zeros([L, 4], dtype=tl.float32)
+    qa0 = tl.load(qp)
+    qa1 = tl.load(qp + R4)
+    qa2 = tl.load(qp + 2 * R4)
+    qa3 = tl.load(qp + 3 * R4)
+    xa0 = tl.load(xp)
+    xa1 = tl.load(xp + 16)
+    xa2 = tl.load(xp + 32)
+    xa3 = tl.load(xp + 48)
+    sa = tl.load(sp)
+    ua0 = qa0
+    ua1 = qa1
+    ua2 = qa2
+    ua3 = qa3
+    sua = sa
     if DUAL:
-        qa2 = tl.load(qp2)
-        sa2 = tl.load(sp2, mask=half)
+        ua0 = tl.load(qp + col2)
+        ua1 = tl.load(qp + col2 + R4)
+        ua2 = tl.load(qp + col2 + 2 * R4)
+        ua3 = tl.load(qp + col2 + 3 * R4)
+        sua = tl.load(sp + col2)
     for g0 in range(g_start, g_end, 2 * KW):
         # buffer B <- step g0 + KW, then the math of buffer A (step g0)
         ok_b = g0 + KW < g_end
-        mb = (g0 + KW + kw) < g_end  # the same as a tensor (the interpreter wants tensor masks)
+        mb = (g0 + KW + kw) < g_end  # [L, 1] (the interpreter wants tensor masks)
         qp += QSTEP
         xp += XSTEP
         sp += SSTEP
-        qb = tl.load(qp, mask=mb)
-        xb = tl.load(xp, mask=mb)
-        sb = tl.load(sp, mask=mb & half)
-        qb2 = qb
-        sb2 = sb
+        qb0 = tl.load(qp, mask=mb)
+        qb1 = tl.load(qp + R4, mask=mb)
+        qb2 = tl.load(qp + 2 * R4, mask=mb)
+        qb3 = tl.load(qp + 3 * R4, mask=mb)
+        xb0 = tl.load(xp, mask=mb)
+        xb1 = tl.load(xp + 16, mask=mb)
+        xb2 = tl.load(xp + 32, mask=mb)
+        xb3 = tl.load(xp + 48, mask=mb)
+        sb = tl.load(sp, mask=mb)
+        ub0 = qb0
+        ub1 = qb1
+        ub2 = qb2
+        ub3 = qb3
+        sub = sb
         if DUAL:
-            qp2 += QSTEP
-            sp2 += SSTEP
-            qb2 = tl.load(qp2, mask=mb)
-            sb2 = tl.load(sp2, mask=mb & half)
-        grp = g0 + kw
-        y = _group_math(qa, xa, _scale_bias(sa, s, grp, qz_ptr, colf, N, MB, SYM), y, MB, BF16, KW, G, EMULATE)
+            ub0 = tl.load(qp + col2, mask=mb)
+            ub1 = tl.load(qp + col2 + R4, mask=mb)
+            ub2 = tl.load(qp + col2 + 2 * R4, mask=mb)
+            ub3 = tl.load(qp + col2 + 3 * R4, mask=mb)
+            sub = tl.load(sp + col2, mask=mb)
+        ga = g0 + kw
+        y0, y1 = _group_math(qa0, qa1, qa2, qa3, xa0, xa1, xa2, xa3, sa.to(tl.float32),
+                             _neg_bias(ga, qz_ptr, col, N, MB, SYM), y0, y1, MB, BF16, L, EMULATE)
         if DUAL:
-            y2 = _group_math(qa2, xa, _scale_bias(sa2, s, grp, qz_ptr, colf + col2, N, MB, SYM), y2, MB, BF16, KW, G,
-                             EMULATE)
+            u0, u1 = _group_math(ua0, ua1, ua2, ua3, xa0, xa1, xa2, xa3, sua.to(tl.float32),
+                                 _neg_bias(ga, qz_ptr, col + col2, N, MB, SYM), u0, u1, MB, BF16, L, EMULATE)
         # buffer A <- step g0 + 2 KW, then the math of buffer B
         ma = (g0 + 2 * KW + kw) < g_end
         qp += QSTEP
         xp += XSTEP
         sp += SSTEP
-        qa = tl.load(qp, mask=ma)
-        xa = tl.load(xp, mask=ma)
-        sa = tl.load(sp, mask=ma & half)
+        qa0 = tl.load(qp, mask=ma)
+        qa1 = tl.load(qp + R4, mask=ma)
+        qa2 = tl.load(qp + 2 * R4, mask=ma)
+        qa3 = tl.load(qp + 3 * R4, mask=ma)
+        xa0 = tl.load(xp, mask=ma)
+        xa1 = tl.load(xp + 16, mask=ma)
+        xa2 = tl.load(xp + 32, mask=ma)
+        xa3 = tl.load(xp + 48, mask=ma)
+        sa = tl.load(sp, mask=ma)
         if DUAL:
-            qp2 += QSTEP
-            sp2 += SSTEP
-            qa2 = tl.load(qp2, mask=ma)
-            sa2 = tl.load(sp2, mask=ma & half)
+            ua0 = tl.load(qp + col2, mask=ma)
+            ua1 = tl.load(qp + col2 + R4, mask=ma)
+            ua2 = tl.load(qp + col2 + 2 * R4, mask=ma)
+            ua3 = tl.load(qp + col2 + 3 * R4, mask=ma)
+            sua = tl.load(sp + col2, mask=ma)
         if ok_b:
-            grp = g0 + KW + kw
-            y = _group_math(qb, xb, _scale_bias(sb, s, grp, qz_ptr, colf, N, MB, SYM), y, MB, BF16, KW, G, EMULATE)
+            gb = g0 + KW + kw
+            y0, y1 = _group_math(qb0, qb1, qb2, qb3, xb0, xb1, xb2, xb3, sb.to(tl.float32),
+                                 _neg_bias(gb, qz_ptr, col, N, MB, SYM), y0, y1, MB, BF16, L, EMULATE)
             if DUAL:
-                y2 = _group_math(qb2, xb, _scale_bias(sb2, s, grp, qz_ptr, colf + col2, N, MB, SYM), y2, MB, BF16, KW,
-                                 G, EMULATE)
-    return y, y2
+                u0, u1 = _group_math(ub0, ub1, ub2, ub3, xb0, xb1, xb2, xb3, sub.to(tl.float32),
+                                     _neg_bias(gb, qz_ptr, col + col2, N, MB, SYM), u0, u1, MB, BF16, L, EMULATE)
+    return y0, y1, u0, u1
+
+
+@triton.jit
+def sum_warp_rows(y, WN: tl.constexpr, KW: tl.constexpr):
+    """[L, 4] -> [32 WN, 4]: the sum over the KW warp rows (row 32 wn + lane)."""
+    if KW == 1:
+        return y
+    else:
+        return tl.sum(tl.reshape(y, [KW, 32 * WN, 4]), axis=0)
+
+
+@triton.jit
+def out_index(colbase, WN: tl.constexpr):
+    """(token slot of y0 (2t; y1: 2t + 1), column) of each element of a [32 WN, 4] result."""
+    g, t, wn, kw = lane_index(WN, 1)
+    v = tl.arange(0, 4)[None, :]
+    return 2 * t, colbase + 32 * wn + 4 * g + v
 
 
 @triton.jit
@@ -305,37 +383,38 @@ def _gemv_tc_kernel(
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr,
     SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    G: tl.constexpr = 8 * WN
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     colbase = pid_n * (32 * WN)
-    gi = tl.arange(0, G)[None, None, :, None, None]
-    xrow = tl.minimum(gi % 8, M - 1) * K2
+    g, t, wn, kw = lane_index(WN, KW)
+    xrow = tl.minimum(g, M - 1) * K2  # [L, 1]: token g's row (the last row for absent tokens)
     g_start = pid_k * GPS
     g_end = tl.minimum(g_start + GPS, GROUPS)
-    y, _ = tc_groups(x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, 0, N, g_start, g_end,
-                     KW, G, SYM, BF16, False, EMULATE)
-    y = tl.sum(y, axis=1)  # [4, G, 4, 4]: the KW warps' groups
-    s = tl.arange(0, 4)[:, None, None, None]
-    g4 = tl.arange(0, G)[None, :, None, None]
-    t = tl.arange(0, 4)[None, None, :, None]
-    v = tl.arange(0, 4)[None, None, None, :]
-    col = colbase + 4 * g4 + v
-    tok = 2 * t + s
-    offs = tok * N + col
-    mask = (s < 2) & (tok < M)
+    y0, y1, _, _ = tc_groups(x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, 0, N, g_start, g_end,
+                             WN, KW, SYM, BF16, False, EMULATE)
+    y0 = sum_warp_rows(y0, WN, KW)
+    y1 = sum_warp_rows(y1, WN, KW)
+    tok, col = out_index(colbase, WN)
+    o0 = tok * N + col
+    o1 = o0 + N
+    m0 = tok < M
+    m1 = tok + 1 < M
     if SPLIT_K == 1:
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + o0, y0.to(out_ptr.dtype.element_ty), mask=m0)
+        tl.store(out_ptr + o1, y1.to(out_ptr.dtype.element_ty), mask=m1)
     else:
-        tl.store(ws_ptr + pid_k * M * N + offs, y, mask=mask)
+        tl.store(ws_ptr + pid_k * M * N + o0, y0, mask=m0)
+        tl.store(ws_ptr + pid_k * M * N + o1, y1, mask=m1)
         if arrive(cnt_ptr + pid_n, SPLIT_K):
-            total = tl.zeros([4, G, 4, 4], dtype=tl.float32)
+            t0 = tl.zeros([32 * WN, 4], dtype=tl.float32)
+            t1 = tl.zeros([32 * WN, 4], dtype=tl.float32)
             for c in tl.static_range(0, SPLITP, 4):  # the partials of 4 splits at a time, loads together
-                sp = c + tl.arange(0, 4)[:, None, None, None, None]
-                part = tl.load(ws_ptr + sp * M * N + offs[None], mask=(sp < SPLIT_K) & mask[None], other=0,
-                               cache_modifier=".cg")
-                total += tl.sum(part, axis=0)
-            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                sp = c + tl.arange(0, 4)[:, None, None]
+                ok = sp < SPLIT_K
+                t0 += tl.sum(tl.load(ws_ptr + sp * M * N + o0[None], mask=ok & m0[None], other=0, cache_modifier=".cg"), axis=0)
+                t1 += tl.sum(tl.load(ws_ptr + sp * M * N + o1[None], mask=ok & m1[None], other=0, cache_modifier=".cg"), axis=0)
+            tl.store(out_ptr + o0, t0.to(out_ptr.dtype.element_ty), mask=m0)
+            tl.store(out_ptr + o1, t1.to(out_ptr.dtype.element_ty), mask=m1)
             reset(cnt_ptr + pid_n)
 
 
@@ -402,8 +481,8 @@ def int4_matmul_tc(x: torch.Tensor, qweight, qzeros, scales, *, sym: bool, out=N
     _gemv_tc_kernel[(tiles, split)](
         x2.view(torch.int32), qweight, qzeros, scales, out, ws, cnt, m, n, k // 2, k // GROUP, gps,
         WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym), BF16=x.dtype == torch.bfloat16, SPLIT_K=split,
-        SPLITP=max(4, next_pow2(split)), EMULATE=INTERPRET, num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
-        **launch_options(cfg),
+        SPLITP=max(4, next_pow2(split)), EMULATE=None if cfg.get("probe_loads_only") else INTERPRET,
+        num_warps=cfg["WN"] * cfg["KW"], num_stages=1, **launch_options(cfg),
     )
     return out.reshape(*lead, n)
 
@@ -419,8 +498,10 @@ def launch_options(cfg: dict) -> dict:
 def simulate_group_asm(q, xr, sz, y, bf16: bool = True):
     """Run `_gen_asm`'s PTX on one warp in numpy, as the layout documented above places the elements.
 
-    q, xr: int32 [4, 8, 4, 4] (s, g, t, v) of one warp (G = 8, KW = 1); sz, y: fp32 same shape.
-    Returns the new y. Used by the tests to check the fragment bookkeeping without a GPU.
+    q, xr: int32 [4, 8, 4, 4] (s, g, t, v): the words lane 4 g + t holds for k-step s; sz: fp32
+    [2, 8, 4, 4] (scale, -(MB + zero)) and y: fp32 [2, 8, 4, 4] (tokens 2t, 2t + 1) of each lane
+    (extra leading entries are ignored). Returns the new y. Used by the tests to check the
+    fragment bookkeeping without a GPU.
     """
     import numpy as np
 
@@ -431,10 +512,12 @@ def simulate_group_asm(q, xr, sz, y, bf16: bool = True):
         ops = {}
         for e in range(16):
             s, v = divmod(e, 4)
-            ops[f"${e}"] = np.float32(y[s, g, t, v])
-            ops[f"${16 + e}"] = np.uint32(np.int64(q[s, g, t, v]) & 0xFFFFFFFF)
-            ops[f"${32 + e}"] = np.uint32(np.int64(xr[s, g, t, v]) & 0xFFFFFFFF)
-            ops[f"${48 + e}"] = np.float32(sz[s, g, t, v])
+            ops[f"${8 + e}"] = np.uint32(np.int64(q[s, g, t, v]) & 0xFFFFFFFF)
+            ops[f"${24 + e}"] = np.uint32(np.int64(xr[s, g, t, v]) & 0xFFFFFFFF)
+        for e in range(8):
+            h, v = divmod(e, 4)
+            ops[f"${e}"] = np.float32(y[h, g, t, v])
+            ops[f"${40 + e}"] = np.float32(sz[h, g, t, v])
         return ops
 
     regs = [operands(g, t) for g, t in lanes]
@@ -513,7 +596,7 @@ def simulate_group_asm(q, xr, sz, y, bf16: bool = True):
                 raise ValueError(f"simulator: unknown op {op}")
     out = np.array(y, dtype=np.float32).copy()
     for lane, (g, t) in enumerate(lanes):
-        for e in range(16):
-            s, v = divmod(e, 4)
-            out[s, g, t, v] = regs[lane][f"${e}"]
+        for e in range(8):
+            h, v = divmod(e, 4)
+            out[h, g, t, v] = regs[lane][f"${e}"]
     return out
