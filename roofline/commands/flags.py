@@ -35,14 +35,17 @@ def parse_json_flag(flag: str, value: str) -> dict:
     return parsed
 
 
-def add_lm_head_arg(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags of the CUDA fast path, shared by serve, chat and generate."""
     p.add_argument("--no-int8-lm-head", action="store_true",
                    help="keep the LM head as the checkpoint stores it (default on CUDA: quantised to INT8 per row at load)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: decode eagerly on per-sequence caches (as vLLM's flag; for debugging)")
 
 
-def int8_lm_head(args: argparse.Namespace) -> bool | None:
-    """None lets the engine decide by device (INT8 on CUDA)."""
-    return False if args.no_int8_lm_head else None
+def engine_options(args: argparse.Namespace) -> dict:
+    """Engine.from_pretrained keywords from add_engine_args' flags; None lets the engine decide by device."""
+    return {"int8_lm_head": False if args.no_int8_lm_head else None, "cuda_graphs": False if args.enforce_eager else None}
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:

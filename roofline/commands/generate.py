@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..errors import UserError
-from .flags import add_lm_head_arg, add_speculative_args, int8_lm_head, parse_speculative_config
+from .flags import add_engine_args, add_speculative_args, engine_options, parse_speculative_config
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -16,7 +16,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: the model's)")
     add_speculative_args(p)
-    add_lm_head_arg(p)
+    add_engine_args(p)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ def load_engine(args):
 
     return Engine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-        speculative=parse_speculative_config(args), int8_lm_head=int8_lm_head(args),
+        speculative=parse_speculative_config(args), max_num_seqs=1, **engine_options(args),  # one sequence at a time
     )
 
 

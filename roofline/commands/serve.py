@@ -9,7 +9,7 @@ import re
 import time
 
 from ..errors import UserError
-from .flags import add_lm_head_arg, add_speculative_args, int8_lm_head, parse_speculative_config
+from .flags import add_engine_args, add_speculative_args, engine_options, parse_speculative_config
 
 log = logging.getLogger("roofline.serve")
 
@@ -41,7 +41,7 @@ def register(sub) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true", help="accepted for vLLM compatibility (tool calls are parsed whenever a parser is set)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the model's")
     add_speculative_args(p)
-    add_lm_head_arg(p)
+    add_engine_args(p)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="accepted for vLLM compatibility: roofline runs on one device (only 1)")
     p.set_defaults(func=run_serve)
 
@@ -137,7 +137,7 @@ def run_serve(args) -> int:
     start = time.monotonic()
     try:
         engine = Engine.from_pretrained(str(model_dir), device=args.device, dtype=dtype, max_model_len=args.max_model_len,
-                                        speculative=speculative, int8_lm_head=int8_lm_head(args))
+                                        speculative=speculative, **engine_options(args))
     except (ValueError, OSError) as exc:
         raise UserError(f"cannot load {model_dir}: {exc}") from exc
     params = sum(p.numel() for p in engine.model.parameters())

@@ -258,7 +258,8 @@ class Engine:
         events = []
         for i, seq in enumerate(active):
             if seq.draft is not None:  # the MTP head will see these positions before its next draft
-                self.speculator.extend(seq.draft, hidden[ends[i] - len(pending[i]) : ends[i]], pending[i], int(tokens[i]))
+                rows = hidden[ends[i] - len(pending[i]) : ends[i]].clone()  # a graph's output buffer is reused
+                self.speculator.extend(seq.draft, rows, pending[i], int(tokens[i]))
             events.append((seq, self._append(seq, int(tokens[i]), float(logprobs[i]), top[i])))
         return self._retire(events)
 
