@@ -27,9 +27,9 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def engine_for(path, k=None):
+def engine_for(path, k=None, draft_vocab=None):
     model, _ = load_model(path, "cpu", torch.float32)
-    return Engine(model, None, path, speculative=SpeculativeConfig(k) if k else None)
+    return Engine(model, None, path, speculative=SpeculativeConfig(k, draft_vocab_size=draft_vocab) if k else None)
 
 
 def run_all(engine, prompts, params):
@@ -109,13 +109,31 @@ def test_rollback_leaves_the_caches_of_never_seeing_rejected_tokens(checkpoint):
     assert torch.allclose(model.logits(model(nxt, [1], [spec])), model.logits(model(nxt, [1], [clean])), atol=1e-5)
 
 
-def test_sampling_distribution_is_preserved(checkpoint):
-    """First two sampled tokens' joint distribution: speculative vs plain sampling (chi-square)."""
+def test_draft_vocabulary_keeps_greedy_output(checkpoint):
+    """Drafting over the first 64 ids only (the test vocabulary has 256): exactly the same tokens, and the
+    drafts never leave the subset (plus the always-draftable eos id)."""
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    want, _ = run_all(engine_for(checkpoint), PROMPTS, params)
+    engine = engine_for(checkpoint, 2, draft_vocab=64)
+    assert engine.speculator.draft_vocab.ids.tolist() == list(range(64)) + [255]
+    drafted = []
+    draft = engine.speculator.draft
+    engine.speculator.draft = lambda *a: (lambda out: (drafted.extend(t for d in out[0] for t in d), out)[1])(draft(*a))
+    got, _ = run_all(engine, PROMPTS, params)
+    assert got == want
+    assert drafted and set(drafted) <= set(range(64)) | {255}
+    assert any(t >= 64 for o in want for t in o), "the output needs tokens outside the draft vocabulary"
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 64])
+def test_sampling_distribution_is_preserved(checkpoint, draft_vocab):
+    """First two sampled tokens' joint distribution: speculative vs plain sampling (chi-square); with a draft
+    vocabulary the drafts' q is zero outside it, and the residual must still restore p exactly."""
     params = dict(temperature=1.0, top_k=3, max_tokens=2)
     n = 400
     counts = []
     for k in (None, 2):
-        engine = engine_for(checkpoint, k)
+        engine = engine_for(checkpoint, k, draft_vocab)
         c = Counter()
         for seed in range(n):
             c[tuple(run_all(engine, [PROMPTS[1]], SamplingParams(seed=seed, **params))[0][0])] += 1
@@ -142,3 +160,9 @@ def test_speculative_flags():
     assert parse(speculative_config='{"method":"mtp","num_speculative_tokens":3}') == SpeculativeConfig(3)
     assert parse(mtp=2) == SpeculativeConfig(2)
     assert parse() is None
+    assert parse(speculative_config='{"method":"mtp","num_speculative_tokens":2,"draft_vocab_size":32768}') == \
+        SpeculativeConfig(2, draft_vocab_size=32768)
+    with pytest.raises(UserError, match="draft_vocab_size must be a positive integer"):
+        parse(speculative_config='{"method":"mtp","draft_vocab_size":0}')
+    with pytest.raises(UserError, match="unknown key"):
+        parse(speculative_config='{"method":"mtp","num_draft":2}')

@@ -67,12 +67,16 @@ def _speculative(flag: str, config: dict) -> SpeculativeConfig:
     method = config.get("method")
     if method not in MTP_METHODS:
         raise UserError(f"{flag}: method {method!r} is not supported; roofline knows \"mtp\" (aliases: {', '.join(MTP_METHODS[1:])})")
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens", "model", "draft_vocab_size"})
+    if unknown:
+        raise UserError(f"{flag}: unknown key(s) {', '.join(unknown)}; roofline reads method, num_speculative_tokens "
+                        "and draft_vocab_size")
+    vocab = config.get("draft_vocab_size")
+    if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1):
+        raise UserError(f"{flag}: draft_vocab_size must be a positive integer (e.g. 32768), got {vocab!r}")
     k = config.get("num_speculative_tokens", 1)
     if k == "auto":
-        return SpeculativeConfig(MAX_DRAFT_TOKENS, auto=True)
+        return SpeculativeConfig(MAX_DRAFT_TOKENS, auto=True, draft_vocab_size=vocab)
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS:
         raise UserError(f"{flag}: num_speculative_tokens must be an integer from 1 to {MAX_DRAFT_TOKENS} or \"auto\", got {k!r}")
-    unknown = sorted(set(config) - {"method", "num_speculative_tokens", "model"})
-    if unknown:
-        raise UserError(f"{flag}: unknown key(s) {', '.join(unknown)}; roofline reads method and num_speculative_tokens")
-    return SpeculativeConfig(k)
+    return SpeculativeConfig(k, draft_vocab_size=vocab)

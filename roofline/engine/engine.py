@@ -82,7 +82,8 @@ class Engine:
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else model.config.eos_token_id)
         self.max_model_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.sampler = Sampler()
-        self.speculator = MtpSpeculator(model, self.sampler, speculative) if speculative else None
+        keep = [*(tokenizer.added_token_ids if tokenizer else []), *self.eos_token_ids]  # always draftable
+        self.speculator = MtpSpeculator(model, self.sampler, speculative, keep) if speculative else None
         # Pooled decode: caches preallocated per slot (a full context each: no paging), decode steps through
         # DecodeGraphs (CUDA graphs on a GPU). Allocated at the first request, so a server can still lower
         # max_num_seqs to what its memory budget holds.
@@ -155,7 +156,8 @@ class Engine:
         self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, use_graphs)
         if self.speculator:
             self.speculator.graphs = self.graphs
-            self.speculator.draft_graphs = DecodeGraphs(model, self.mtp_pool, max_num_seqs, use_graphs, mtp=True)
+            self.speculator.draft_graphs = DecodeGraphs(model, self.mtp_pool, max_num_seqs, use_graphs, mtp=True,
+                                                        logits=self.speculator.draft_logits)
         log.info("pooled decode: %d slots x %d tokens, %.2f GiB of KV cache and GDN state; %s", max_num_seqs,
                  self.max_model_len, total / 2**30, "CUDA graphs per batch bucket" if use_graphs else "eager (no CUDA)")
 

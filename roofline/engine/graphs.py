@@ -46,8 +46,9 @@ class DecodeGraphs:
     """Runs the pooled decode step for a batch of `SlotCache`s: of the main model, or with `mtp` of
     the MTP head (which also takes a hidden state per token)."""
 
-    def __init__(self, model, pool: CachePool, max_batch: int, use_graphs: bool, mtp: bool = False):
+    def __init__(self, model, pool: CachePool, max_batch: int, use_graphs: bool, mtp: bool = False, logits=None):
         self.model, self.pool, self.max_batch, self.use_graphs, self.mtp = model, pool, max_batch, use_graphs, mtp
+        self.logits = logits or model.logits  # hidden -> fp32 logits (the MTP head's may cover part of the vocabulary)
         self.buffers: dict[tuple[int, int, int], StepBuffers] = {}
         self.mempool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.replays = 0
@@ -78,7 +79,7 @@ class DecodeGraphs:
             buf.hidden = self.model.mtp_slot_forward(buf.ids, buf.hidden_in, batch)
         else:
             buf.hidden = self.model.slot_forward(buf.ids, batch)
-        buf.logits = self.model.logits(buf.hidden)
+        buf.logits = self.logits(buf.hidden)
 
     def _capture(self, buf: StepBuffers, m: int, span: int) -> None:
         """Warm up (compiles the kernels, sizes their workspaces) on the scratch slot, then capture."""

@@ -37,6 +37,30 @@ MAX_DRAFT_TOKENS = 4
 class SpeculativeConfig:
     num_speculative_tokens: int = 2  # with `auto`, the most drafts the chooser may use
     auto: bool = False  # choose k from measured acceptance and step time
+    draft_vocab_size: int | None = None  # draft over the first N token ids (+ special tokens) only
+
+
+class DraftVocabulary:
+    """Drafts over part of the vocabulary, so a draft step reads a fraction of the LM head (on the 122B the
+    head is most of a draft's bytes): the head's first `size` rows (byte-level BPE ids grow roughly with
+    rarity) and every special token. Verification is unchanged, so the output is exactly what it is
+    without this; only acceptance can drop, where the right token lies outside the subset."""
+
+    def __init__(self, model, size: int, keep_ids=()):
+        from ..kernels.dispatch import install_weight_kernel
+
+        self.vocab = model.config.vocab_size
+        ids = sorted(set(range(min(size, self.vocab))) | {i for i in keep_ids if 0 <= i < self.vocab})
+        self.ids = torch.tensor(ids, device=model.device)
+        self.head = model.lm_head.take_rows(self.ids)
+        if "forward" in vars(model.lm_head):  # the fast path gave the full head a kernel: the subset gets one too
+            install_weight_kernel(self.head)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, V] fp32 logits: the subset's, -inf elsewhere (so sampling and penalties see the full vocabulary)."""
+        out = torch.full((hidden.shape[0], self.vocab), float("-inf"), dtype=torch.float32, device=hidden.device)
+        out[:, self.ids] = self.head(hidden).float()
+        return out
 
 
 class DraftLengthChooser:
@@ -93,10 +117,12 @@ class Verified:
 
 
 class MtpSpeculator:
-    def __init__(self, model, sampler: Sampler, config: SpeculativeConfig):
+    def __init__(self, model, sampler: Sampler, config: SpeculativeConfig, keep_ids=()):
         if model.mtp is None:
             raise UserError("speculative decoding needs the checkpoint's MTP head (mtp.* tensors), and this checkpoint has none")
         self.model, self.sampler = model, sampler
+        self.draft_vocab = DraftVocabulary(model, config.draft_vocab_size, keep_ids) if config.draft_vocab_size else None
+        self.draft_logits = self.draft_vocab.logits if self.draft_vocab else model.logits
         self.graphs = self.draft_graphs = None  # the engine's DecodeGraphs (main model, MTP head) when pooled
         self.k_max = config.num_speculative_tokens
         self.k = self.k_max  # drafts in the current step (varies only with `auto`)
@@ -139,7 +165,7 @@ class MtpSpeculator:
         out = model.mtp_forward(torch.tensor([x for t in tokens for x in t], device=model.device), torch.cat(hidden),
                                 [len(t) for t in tokens], caches)
         out = out[torch.tensor([len(t) for t in tokens], device=model.device).cumsum(0) - 1]
-        return out, model.logits(out)
+        return out, self.draft_logits(out)
 
     def draft(self, states: list[DraftState], params, histories, prompt_lens, generators):
         """k draft tokens and their draft distributions q per sequence."""

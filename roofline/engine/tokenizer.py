@@ -69,6 +69,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def added_token_ids(self) -> list[int]:
+        """Ids of the added (special and control) tokens: <|im_end|>, <think>, <tool_call>, ..."""
+        return sorted(self.backend.get_added_tokens_decoder())
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
