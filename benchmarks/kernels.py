@@ -168,13 +168,13 @@ def bench_int4_dense(b: Bench, quick: bool):
                 return Rotor(lambda qw, qz, sc: int4_matmul(x, qw, qz, sc, 128, sym=True, config=cfg), sets)
 
             if b.sweep:
-                cfgs = [("lanes (before: run-2 default path)", {"tc": False})]
+                cfgs = [("lanes (default path)", {"tc": False}), ("tc (its default config)", {"tc": True})]
                 if name in ("gdn.in_proj_qkv", "gdn.out_proj") and m != 2:
                     cfgs += [(f"tc WN{wn} KW{kw} pps{pps}" + (f" r{reg}" if reg else ""),
-                              {"WN": wn, "KW": kw, "programs_per_sm": pps, **({"maxnreg": reg} if reg else {})})
+                              {"tc": True, "WN": wn, "KW": kw, "programs_per_sm": pps, **({"maxnreg": reg} if reg else {})})
                              for wn, kw, pps, reg in [(4, 1, 4, 0), (4, 1, 2, 0), (4, 1, 8, 0), (2, 1, 8, 0), (8, 1, 4, 0),
                                                       (4, 1, 4, 96), (2, 2, 4, 0)][: 7 if m == 1 else 2]]
-                    cfgs.append(("probe: tc loads only, no math, WN4 pps4", {"WN": 4, "KW": 1, "probe_loads_only": True}))
+                    cfgs.append(("probe: tc loads only, no math, WN4 pps4", {"tc": True, "WN": 4, "KW": 1, "probe_loads_only": True}))
                 b.try_configs("int4_gemv", shape, nbytes, make, cfgs)
             t = median_us(make(None))
             base = median_us(Rotor(lambda w: F.linear(x, w), [(w,) for w in dense]))
@@ -217,10 +217,10 @@ def bench_experts(b: Bench, quick: bool):
             return Rotor(lambda ids: experts_down(act, ids, w, *down, 128, sym=True, config=cfg), [(r,) for r in routings])
 
         if b.sweep:
-            cfgs = [("lanes (before: run-2 default path)", {"tc": False})]
+            cfgs = [("lanes (default path)", {"tc": False}), ("tc (its default config)", {"tc": True})]
             if t_tokens != 2:
                 cfgs += [(f"tc WN{wn} KW{kw} pps{pps}" + (f" r{reg}" if reg else ""),
-                          {"WN": wn, "KW": kw, "programs_per_sm": pps, **({"maxnreg": reg} if reg else {})})
+                          {"tc": True, "WN": wn, "KW": kw, "programs_per_sm": pps, **({"maxnreg": reg} if reg else {})})
                          for wn, kw, pps, reg in [(2, 1, 4, 0), (4, 1, 4, 0), (2, 1, 2, 0), (1, 1, 8, 0), (2, 1, 8, 0),
                                                   (1, 1, 16, 0), (4, 1, 2, 0)][: 7 if t_tokens == 1 else 3]]
             b.try_configs("experts_gate_up", shape_gu, gu_total, make_gu, cfgs)

@@ -96,10 +96,10 @@ def test_int4_matmul_interpreter(m, n, k, group, sym, config):
 
 @cpu
 @pytest.mark.parametrize("m,n,k,sym,config", [
-    (1, 64, 256, True, None),                      # one column tile per warp, 2 groups on 2 warp rows
-    (2, 96, 384, False, {"SPLIT_K": 2}),           # asymmetric zeros, split K, KW lowered to divide 3 groups
-    (4, 64, 512, True, {"KW": 1, "SPLIT_K": 3}),   # uneven split (odd number of steps in a split)
-    (3, 64, 256, False, {"WN": 2, "KW": 1}),       # two 32-column blocks per program
+    (1, 64, 256, True, {"tc": True}),                           # one column tile per warp, 2 groups on 2 warp rows
+    (2, 96, 384, False, {"tc": True, "SPLIT_K": 2}),            # asymmetric zeros, split K, KW lowered to divide 3 groups
+    (4, 64, 512, True, {"tc": True, "KW": 1, "SPLIT_K": 3}),    # uneven split (odd number of steps in a split)
+    (3, 64, 256, False, {"tc": True, "WN": 2, "KW": 1}),        # two 32-column blocks per program
 ])
 def test_int4_tc_interpreter(m, n, k, sym, config):
     """The tensor-core path (int4_tc) with its per-thread asm emulated in plain Triton: loads, column map, split K."""
@@ -143,24 +143,25 @@ def test_int4_tc_asm_fragments(bf16):
 
 
 @gpu
+@pytest.mark.parametrize("tc", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k", [(12288, 3072), (3072, 8192), (512, 3072), (3080, 1024)])
-def test_int4_matmul_gpu(m, n, k):
-    check_int4(m, n, k, 128, True, torch.bfloat16, GPU)
+def test_int4_matmul_gpu(m, n, k, tc):
+    check_int4(m, n, k, 128, True, torch.bfloat16, GPU, config={"tc": tc})
 
 
 @gpu
-@pytest.mark.parametrize("config", [{"tc": False}, {"mma": True}, None, {"WN": 2, "KW": 2, "SPLIT_K": 5}])
+@pytest.mark.parametrize("config", [None, {"mma": True}, {"tc": True}, {"tc": True, "WN": 2, "KW": 2, "SPLIT_K": 5}])
 @pytest.mark.parametrize("m", [1, 4])
 def test_int4_matmul_gpu_paths(m, config):
-    """Lanes path, its tensor-core variant, and the int4_tc path (default), asymmetric zeros."""
+    """Lanes path (default), its tensor-core variant, and the int4_tc path, asymmetric zeros."""
     check_int4(m, 8192, 3072, 128, False, torch.bfloat16, GPU, config=config)
 
 
 @gpu
 @pytest.mark.parametrize("m", [1, 3])
 def test_int4_matmul_gpu_fp16(m):
-    check_int4(m, 4096, 3072, 128, False, torch.float16, GPU)
+    check_int4(m, 4096, 3072, 128, False, torch.float16, GPU, config={"tc": True})
 
 
 # ---------------------------------------------------------------- grouped INT4 experts
@@ -202,8 +203,8 @@ def test_experts_interpreter(t, config):
 
 @cpu
 @pytest.mark.parametrize("t,config", [
-    (1, None),
-    (3, {"SPLIT_K": 2}),   # shared experts among tokens, split K
+    (1, {"tc": True}),
+    (3, {"tc": True, "SPLIT_K": 2}),   # shared experts among tokens, split K
 ])
 def test_experts_tc_interpreter(t, config):
     """The grouped experts on the int4_tc path (group 128, fp16), asm emulated."""
@@ -211,9 +212,10 @@ def test_experts_tc_interpreter(t, config):
 
 
 @gpu
+@pytest.mark.parametrize("tc", [False, True])
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 12])
-def test_experts_gpu(t):
-    check_experts(t, 256, 3072, 1024, 8, 128, torch.bfloat16, GPU)
+def test_experts_gpu(t, tc):
+    check_experts(t, 256, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": tc})
 
 
 @gpu
@@ -222,8 +224,8 @@ def test_experts_gpu_split_and_mma():
     check_experts(3, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"mma": False, "SPLIT_K": 1})
     check_experts(4, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"mma": False})
     check_experts(1, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": False})
-    check_experts(3, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"WN": 4, "KW": 2, "SPLIT_K": 1})
-    check_experts(16, 64, 3072, 1024, 8, 128, torch.float16, GPU, config={"WN": 1, "KW": 4, "SPLIT_K": 5})
+    check_experts(3, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": True, "WN": 4, "KW": 2, "SPLIT_K": 1})
+    check_experts(16, 64, 3072, 1024, 8, 128, torch.float16, GPU, config={"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 5})
 
 
 def test_experts_reference_matches_model():

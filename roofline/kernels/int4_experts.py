@@ -259,7 +259,8 @@ def experts_gate_up(x: torch.Tensor, ids: torch.Tensor, qweight, qzeros, scales,
     inter = qweight.shape[-1] // 2
     if sym is None:
         sym = is_symmetric(qzeros)
-    if _tc_path(x, inter, k, group_size, t, config, (qweight, qzeros, scales)):
+    # at one token the lanes path was faster for gate_up in the H200 sweep (run 3a: 16.8 vs 18.4 us): tc only if asked
+    if (t > 1 or (config or {}).get("tc")) and _tc_path(x, inter, k, group_size, t, config, (qweight, qzeros, scales)):
         return _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, counters)
     cfg = _config(t, inter, group_size, config)
     ch = _chunk(t, cfg["mma"])
@@ -285,7 +286,7 @@ def experts_down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qw
     h = qweight.shape[-1]
     if sym is None:
         sym = is_symmetric(qzeros)
-    if _tc_path(act, h, inter, group_size, t, config, (qweight, qzeros, scales)):
+    if _tc_path(act, h, inter, group_size, t, config, (qweight, qzeros, scales), down=True):
         return _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters)
     cfg = _config(t, h, group_size, config)
     ch = _chunk(t, cfg["mma"])
@@ -442,21 +443,26 @@ def _down_tc_kernel(
         reset(cnt)
 
 
-def _tc_expert_config(t: int, config: dict | None) -> dict:
+def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
+    """H200 sweep, run 3a: down at T=1 fastest with 1-warp programs, 8 per SM (9.9 us vs 11.6 on 2 warps);
+    gate_up and T >= 2 with 2-4 warps (gate_up T=4: 33.9 us on 4 warps, 38.9 on 2)."""
     cfg = dict(default_tc_config(t, 0, 0))
     if not INTERPRET:
-        cfg = {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
+        if down:
+            cfg = {"WN": 1, "KW": 1, "programs_per_sm": 8.0} if t == 1 else {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
+        else:
+            cfg = {"WN": 2, "KW": 1, "programs_per_sm": 2.0} if t == 1 else {"WN": 4, "KW": 1, "programs_per_sm": 4.0}
     cfg.update(config or {})
     return cfg
 
 
-def _tc_path(x, n: int, k: int, group_size: int, t: int, config, weights) -> bool:
+def _tc_path(x, n: int, k: int, group_size: int, t: int, config, weights, down: bool = False) -> bool:
     """Whether the experts take the int4_tc path: up to 16 tokens (chunks of 8), its shape and alignment rules
     (int4_tc.tc_supported), and per-expert strides that keep 16-byte alignment (Triton specialises
     integer arguments divisible by 16)."""
     if not use_tc(config) or t > 16 or not x.is_contiguous() or any(w[0].numel() % 16 for w in weights):
         return False
-    return tc_supported(x, n, k, group_size, _tc_expert_config(t, config)["WN"], weights)
+    return tc_supported(x, n, k, group_size, _tc_expert_config(t, config, down)["WN"], weights)
 
 
 def _tc_chunk(t: int) -> int:
@@ -488,7 +494,7 @@ def _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, count
 def _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters):
     t, topk, inter = act.shape
     h = qweight.shape[-1]
-    cfg = _tc_expert_config(t, config)
+    cfg = _tc_expert_config(t, config, down=True)
     ch = _tc_chunk(t)
     chunks = triton.cdiv(t, ch)
     slots = ch * topk
