@@ -142,6 +142,22 @@ def test_int4_tc_asm_fragments(bf16):
     np.testing.assert_allclose(out, expect, rtol=0, atol=1e-4 * np.abs(ref).max())
 
 
+def test_int4_tc_asm_layout():
+    """Compiled for sm_90 (no GPU needed), every inline-asm operand of the tc kernels has its lanes along the tile rows.
+
+    Runs in a subprocess without TRITON_INTERPRET (the interpreter replaces @triton.jit functions).
+    """
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from roofline.kernels.int4_tc import check_asm_layouts; p = check_asm_layouts(); print(p); assert not p"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    if res.returncode and ("ptxas" in res.stderr or "No such file" in res.stderr):
+        pytest.skip(f"no CUDA compiler toolchain for Triton here: {res.stderr[-300:]}")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+
+
 @gpu
 @pytest.mark.parametrize("tc", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])

@@ -602,3 +602,67 @@ def simulate_group_asm(q, xr, sz, y, bf16: bool = True):
             h, v = divmod(e, 4)
             out[h, g, t, v] = regs[lane][f"${e}"]
     return out
+
+
+# ------------------------------------------------------------------ layout check (compile only, no GPU)
+
+
+def check_asm_layouts(target_arch: int = 90) -> list[str]:
+    """Compile the tc kernels for `target_arch` (no GPU needed) and return a problem per inline-asm operand
+    layout that does not put the 32 lanes of each warp along the tile rows with the 4 columns in registers.
+
+    The asm reads mma fragments straight from registers, so it is only right when Triton lays the
+    [L, 4] tiles out that way; Triton picks the layout (run 3a: a 5-D tile got another lane order
+    under triton 3.6). Must run with TRITON_INTERPRET unset.
+    """
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from .int4_experts import _down_tc_kernel, _gate_up_tc_kernel
+
+    def layouts(ir):
+        defs = dict(re.findall(r"^(#blocked\d*) = (#ttg.blocked<\{.*?\}>)", ir, re.M))
+        found = set()
+        for line in ir.splitlines():
+            if "elementwise_inline_asm" in line:
+                found.update(defs[name] for name in re.findall(r"tensor<\d+x4xf32, (#blocked\d*)>", line))
+        return found
+
+    def good(lay):
+        return ("threadsPerWarp = [32, 1]" in lay and re.search(r"warpsPerCTA = \[\d+, 1\]", lay) is not None
+                and ("sizePerThread = [1, 4]" in lay or "sizePerThread = [1, 1]" in lay))
+
+    problems = []
+    target = GPUTarget("cuda", target_arch, 32)
+    gemv_sig = {"x32_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+                "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K2": "i32", "GROUPS": "i32", "GPS": "i32", "WN": "constexpr",
+                "KW": "constexpr", "SYM": "constexpr", "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr",
+                "EMULATE": "constexpr"}
+    expert_common = {"T": "i32", "GROUPS": "i32", "GPS": "i32", "QW_E": "i32", "QZ_E": "i32", "SC_E": "i32", "TOPK": "constexpr",
+                     "TOPKP": "constexpr", "CH": "constexpr", "WN": "constexpr", "KW": "constexpr", "SYM": "constexpr",
+                     "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr"}
+    gate_up_sig = {"x32_ptr": "*i32", "ids_ptr": "*i64", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "act_ptr": "*bf16",
+                   "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", **expert_common}
+    down_sig = {"act32_ptr": "*i32", "ids_ptr": "*i64", "wts_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16",
+                "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "I2": "i32", "H": "i32", **expert_common}
+    cases = [("gemv", _gemv_tc_kernel, gemv_sig, {"WN": wn, "KW": kw, "SYM": sym, "BF16": True, "SPLITP": 4, "EMULATE": False})
+             for wn, kw, sym in [(4, 1, True), (4, 1, False), (2, 2, True)]]
+    cases += [(name, fn, sig, {"TOPK": 8, "TOPKP": 8, "CH": ch, "WN": wn, "KW": 1, "SYM": sym, "BF16": True, "SPLITP": 8,
+                               "EMULATE": False})
+              for name, fn, sig in [("gate_up", _gate_up_tc_kernel, gate_up_sig), ("down", _down_tc_kernel, down_sig)]
+              for wn, ch, sym in [(1, 1, True), (2, 4, False)]]
+    for name, fn, sig, consts in cases:
+        order = list(fn.arg_names)
+        sig = {a: sig[a] for a in order}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(order)
+                 if sig[a].startswith("*") or a in ("N", "K2", "I", "I2", "H", "QW_E", "QZ_E", "SC_E")}
+        warps = consts["WN"] * consts["KW"]
+        compiled = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target,
+                                  options={"num_warps": warps, "num_stages": 1})
+        found = layouts(compiled.asm["ttgir"])
+        if not found:
+            problems.append(f"{name} {consts}: no inline asm found")
+        problems += [f"{name} {consts}: {lay}" for lay in found if not good(lay)]
+    return problems
