@@ -133,3 +133,24 @@ def test_int8_lm_head_at_load_keeps_answers(engine):
     prompt = ids.tolist()
     params = SamplingParams(temperature=0.0, max_tokens=48)
     assert [e.token_id for e in int8.generate(prompt, params)] == [e.token_id for e in engine.generate(prompt, params)]
+
+
+def test_speculation_keeps_greedy_answers(engine):
+    """MTP-k (k = 1..4) on the bundled model, four questions decoding together: token for token the output
+    without speculation, while the head's drafts are mostly accepted."""
+    from roofline.engine.sampling import SamplingParams
+    from roofline.engine.speculative import SpeculativeConfig
+
+    prompts = [prompt_ids(engine, c) for c in heldout("arithmetic", 4, seed=5)]
+
+    def answers(e):
+        seqs = [e.add(p, SamplingParams(temperature=0.0, max_tokens=64)) for p in prompts]
+        while e.sequences:
+            e.step()
+        return [s.output_ids for s in seqs]
+
+    want = answers(engine)
+    for k in range(1, 5):
+        spec = Engine(engine.model, engine.tokenizer, engine.model_dir, speculative=SpeculativeConfig(k))
+        assert answers(spec) == want, k
+        assert spec.speculator.acceptance_rates()[0] > 0.9, spec.speculator.acceptance_rates()
