@@ -148,6 +148,7 @@ def int4_bytes(n, k, group=128):
 
 def bench_int4_dense(b: Bench, quick: bool):
     from roofline.kernels.int4_gemv import int4_matmul
+    from roofline.kernels.int4_tc import repack_blocks
 
     shapes = {
         "gdn.in_proj_qkv": (12288, 3072), "gdn.in_proj_z": (8192, 3072), "gdn.out_proj": (3072, 8192),
@@ -165,6 +166,8 @@ def bench_int4_dense(b: Bench, quick: bool):
             shape = f"{name} {n}x{k} M={m}"
 
             def make(cfg, x=x, sets=sets):
+                if (cfg or {}).get("qblk"):  # experiment: the tc kernel on block-repacked weights
+                    sets = [(repack_blocks(qw), qz, sc) for qw, qz, sc in sets]
                 return Rotor(lambda qw, qz, sc: int4_matmul(x, qw, qz, sc, 128, sym=True, config=cfg), sets)
 
             if b.sweep:
@@ -175,6 +178,8 @@ def bench_int4_dense(b: Bench, quick: bool):
                              for wn, kw, pps, reg in [(4, 1, 4, 0), (4, 1, 2, 0), (4, 1, 8, 0), (2, 1, 8, 0), (8, 1, 4, 0),
                                                       (4, 1, 4, 96), (2, 2, 4, 0)][: 7 if m == 1 else 2]]
                     cfgs.append(("probe: tc loads only, no math, WN4 pps4", {"tc": True, "WN": 4, "KW": 1, "probe_loads_only": True}))
+                    cfgs.append(("tc qblk (repacked weights) WN4 pps4", {"tc": True, "WN": 4, "KW": 1, "qblk": True}))
+                    cfgs.append(("tc qblk (repacked weights) WN2 pps8", {"tc": True, "WN": 2, "KW": 1, "programs_per_sm": 8, "qblk": True}))
                 b.try_configs("int4_gemv", shape, nbytes, make, cfgs)
             t = median_us(make(None))
             base = median_us(Rotor(lambda w: F.linear(x, w), [(w,) for w in dense]))
@@ -186,10 +191,17 @@ def bench_int4_dense(b: Bench, quick: bool):
 
 def bench_experts(b: Bench, quick: bool):
     from roofline.kernels.int4_experts import experts_down, experts_gate_up
+    from roofline.kernels.int4_tc import repack_blocks
 
     e, h, inter, topk = 256, HIDDEN, 1024, 8
     gate_up = random_int4(2 * inter, h, experts=e)
     down = random_int4(h, inter, experts=e)
+    repacked = []
+
+    def blocked():  # experiment: block-repacked copies of the expert weights (int4_tc.repack_blocks), made once
+        if not repacked:
+            repacked.extend([repack_blocks(gate_up[0]), repack_blocks(down[0])])
+        return repacked
     gu_bytes, dn_bytes = int4_bytes(2 * inter, h), int4_bytes(h, inter)
     for t_tokens in (1, 4) if quick else (1, 2, 4):
         x = torch.randn(t_tokens, h, device="cuda", dtype=torch.bfloat16)
@@ -211,10 +223,12 @@ def bench_experts(b: Bench, quick: bool):
         shape_dn = f"down E{e} {h}x{inter} top{topk} T={t_tokens}"
 
         def make_gu(cfg):
-            return Rotor(lambda ids: experts_gate_up(x, ids, *gate_up, 128, sym=True, config=cfg), [(r,) for r in routings])
+            wts = (blocked()[0], *gate_up[1:]) if (cfg or {}).get("qblk") else gate_up
+            return Rotor(lambda ids: experts_gate_up(x, ids, *wts, 128, sym=True, config=cfg), [(r,) for r in routings])
 
         def make_dn(cfg):
-            return Rotor(lambda ids: experts_down(act, ids, w, *down, 128, sym=True, config=cfg), [(r,) for r in routings])
+            wts = (blocked()[1], *down[1:]) if (cfg or {}).get("qblk") else down
+            return Rotor(lambda ids: experts_down(act, ids, w, *wts, 128, sym=True, config=cfg), [(r,) for r in routings])
 
         if b.sweep:
             cfgs = [("lanes (default path)", {"tc": False}), ("tc (its default config)", {"tc": True})]
@@ -223,6 +237,7 @@ def bench_experts(b: Bench, quick: bool):
                           {"tc": True, "WN": wn, "KW": kw, "programs_per_sm": pps, **({"maxnreg": reg} if reg else {})})
                          for wn, kw, pps, reg in [(2, 1, 4, 0), (4, 1, 4, 0), (2, 1, 2, 0), (1, 1, 8, 0), (2, 1, 8, 0),
                                                   (1, 1, 16, 0), (4, 1, 2, 0)][: 7 if t_tokens == 1 else 3]]
+                cfgs.append(("tc qblk (repacked weights), its default config", {"tc": True, "qblk": True}))
             b.try_configs("experts_gate_up", shape_gu, gu_total, make_gu, cfgs)
             b.try_configs("experts_down", shape_dn, dn_total, make_dn, cfgs)
         # baseline: the same experts as BF16, pre-gathered, one cuBLAS batched GEMV (bmm)

@@ -239,7 +239,7 @@ def lane_index(WN: tl.constexpr, KW: tl.constexpr):
 def tc_groups(
     x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, col2, N, g_start, g_end,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
-    EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr, GROUPS=1, QBLK: tl.constexpr = False,
 ):
     """Partial products over quantisation groups [g_start, g_end) for up to 8 token rows.
 
@@ -265,11 +265,18 @@ def tc_groups(
     col = colbase + 32 * wn + 4 * g + v  # [L, 4] word columns, also the result columns
     grp = g_start + kw  # [L, 1]
     kp = grp * 16 + t  # packed row of k-step 0
-    qp = qw_ptr + kp * N + col
+    if QBLK:  # qweight repacked by `repack_blocks`: [N/32, K/128, 16, 32], one warp-step = 2 KB contiguous
+        qp = qw_ptr + ((((colbase + 32 * wn) // 32) * GROUPS + grp) * 16 + t) * 32 + 4 * g + v
+        R4 = 128
+        QSTEP = 512 * KW
+        q2 = (col2 // 32) * GROUPS * 512
+    else:
+        qp = qw_ptr + kp * N + col
+        R4 = 4 * N  # one k-step: 4 packed rows
+        QSTEP = 16 * KW * N
+        q2 = col2
     xp = x32_ptr + xrow + kp * 4 + v
     sp = sc_ptr + grp * N + col
-    R4 = 4 * N  # one k-step: 4 packed rows
-    QSTEP = 16 * KW * N
     SSTEP = KW * N
     XSTEP: tl.constexpr = 64 * KW
     y0 = tl.zeros([L, 4], dtype=tl.float32)
@@ -291,10 +298,10 @@ def tc_groups(
     ua3 = qa3
     sua = sa
     if DUAL:
-        ua0 = tl.load(qp + col2)
-        ua1 = tl.load(qp + col2 + R4)
-        ua2 = tl.load(qp + col2 + 2 * R4)
-        ua3 = tl.load(qp + col2 + 3 * R4)
+        ua0 = tl.load(qp + q2)
+        ua1 = tl.load(qp + q2 + R4)
+        ua2 = tl.load(qp + q2 + 2 * R4)
+        ua3 = tl.load(qp + q2 + 3 * R4)
         sua = tl.load(sp + col2)
     for g0 in range(g_start, g_end, 2 * KW):
         # buffer B <- step g0 + KW, then the math of buffer A (step g0)
@@ -318,10 +325,10 @@ def tc_groups(
         ub3 = qb3
         sub = sb
         if DUAL:
-            ub0 = tl.load(qp + col2, mask=mb)
-            ub1 = tl.load(qp + col2 + R4, mask=mb)
-            ub2 = tl.load(qp + col2 + 2 * R4, mask=mb)
-            ub3 = tl.load(qp + col2 + 3 * R4, mask=mb)
+            ub0 = tl.load(qp + q2, mask=mb)
+            ub1 = tl.load(qp + q2 + R4, mask=mb)
+            ub2 = tl.load(qp + q2 + 2 * R4, mask=mb)
+            ub3 = tl.load(qp + q2 + 3 * R4, mask=mb)
             sub = tl.load(sp + col2, mask=mb)
         ga = g0 + kw
         y0, y1 = _group_math(qa0, qa1, qa2, qa3, xa0, xa1, xa2, xa3, sa.to(tl.float32),
@@ -344,10 +351,10 @@ def tc_groups(
         xa3 = tl.load(xp + 48, mask=ma)
         sa = tl.load(sp, mask=ma)
         if DUAL:
-            ua0 = tl.load(qp + col2, mask=ma)
-            ua1 = tl.load(qp + col2 + R4, mask=ma)
-            ua2 = tl.load(qp + col2 + 2 * R4, mask=ma)
-            ua3 = tl.load(qp + col2 + 3 * R4, mask=ma)
+            ua0 = tl.load(qp + q2, mask=ma)
+            ua1 = tl.load(qp + q2 + R4, mask=ma)
+            ua2 = tl.load(qp + q2 + 2 * R4, mask=ma)
+            ua3 = tl.load(qp + q2 + 3 * R4, mask=ma)
             sua = tl.load(sp + col2, mask=ma)
         if ok_b:
             gb = g0 + KW + kw
@@ -381,7 +388,7 @@ def _gemv_tc_kernel(
     x32_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K2, GROUPS, GPS,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr,
-    SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
+    SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr, QBLK: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -391,7 +398,7 @@ def _gemv_tc_kernel(
     g_start = pid_k * GPS
     g_end = tl.minimum(g_start + GPS, GROUPS)
     y0, y1, _, _ = tc_groups(x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, 0, N, g_start, g_end,
-                             WN, KW, SYM, BF16, False, EMULATE)
+                             WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK)
     y0 = sum_warp_rows(y0, WN, KW)
     y1 = sum_warp_rows(y1, WN, KW)
     tok, col = out_index(colbase, WN)
@@ -484,9 +491,24 @@ def int4_matmul_tc(x: torch.Tensor, qweight, qzeros, scales, *, sym: bool, out=N
         x2.view(torch.int32), qweight, qzeros, scales, out, ws, cnt, m, n, k // 2, k // GROUP, gps,
         WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym), BF16=x.dtype == torch.bfloat16, SPLIT_K=split,
         SPLITP=max(4, next_pow2(split)), EMULATE=None if cfg.get("probe_loads_only") else INTERPRET,
-        num_warps=cfg["WN"] * cfg["KW"], num_stages=1, **launch_options(cfg),
+        QBLK=bool(cfg.get("qblk")), num_warps=cfg["WN"] * cfg["KW"], num_stages=1, **launch_options(cfg),
     )
     return out.reshape(*lead, n)
+
+
+def repack_blocks(qweight: torch.Tensor) -> torch.Tensor:
+    """EXPERIMENT (config "qblk"): GPTQ qweight [..., K/8, N] -> the same words ordered [..., N/32, K/128, 16, 32].
+
+    Each warp-step of the tc kernels (16 packed rows x 32 columns of one group) becomes 2 KB of
+    contiguous memory instead of 16 runs of 128 bytes N*4 bytes apart. Same shape and size as the
+    input (a view of the permuted copy), so only the tc kernels with config {"qblk": True} can read
+    it; the reference path (Int4Weight.dequantize) cannot. Needs K % 128 == 0 and N % 32 == 0.
+    """
+    *lead, kp, n = qweight.shape
+    blocks = qweight.reshape(*lead, kp // 16, 16, n // 32, 32)
+    nd = blocks.dim()
+    perm = list(range(nd - 4)) + [nd - 2, nd - 4, nd - 3, nd - 1]
+    return blocks.permute(*perm).contiguous().view(qweight.shape)
 
 
 def launch_options(cfg: dict) -> dict:
@@ -639,20 +661,23 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     gemv_sig = {"x32_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
                 "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K2": "i32", "GROUPS": "i32", "GPS": "i32", "WN": "constexpr",
                 "KW": "constexpr", "SYM": "constexpr", "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr",
-                "EMULATE": "constexpr"}
+                "EMULATE": "constexpr", "QBLK": "constexpr"}
     expert_common = {"T": "i32", "GROUPS": "i32", "GPS": "i32", "QW_E": "i32", "QZ_E": "i32", "SC_E": "i32", "TOPK": "constexpr",
                      "TOPKP": "constexpr", "CH": "constexpr", "WN": "constexpr", "KW": "constexpr", "SYM": "constexpr",
-                     "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr"}
+                     "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr", "QBLK": "constexpr"}
     gate_up_sig = {"x32_ptr": "*i32", "ids_ptr": "*i64", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "act_ptr": "*bf16",
                    "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", **expert_common}
     down_sig = {"act32_ptr": "*i32", "ids_ptr": "*i64", "wts_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16",
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "I2": "i32", "H": "i32", **expert_common}
-    cases = [("gemv", _gemv_tc_kernel, gemv_sig, {"WN": wn, "KW": kw, "SYM": sym, "BF16": True, "SPLITP": 4, "EMULATE": False})
+    cases = [("gemv", _gemv_tc_kernel, gemv_sig, {"WN": wn, "KW": kw, "SYM": sym, "BF16": True, "SPLITP": 4, "EMULATE": False,
+                                                  "QBLK": False})
              for wn, kw, sym in [(4, 1, True), (4, 1, False), (2, 2, True)]]
+    cases.append(("gemv qblk", _gemv_tc_kernel, gemv_sig,
+                  {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": True}))
     cases += [(name, fn, sig, {"TOPK": 8, "TOPKP": 8, "CH": ch, "WN": wn, "KW": 1, "SYM": sym, "BF16": True, "SPLITP": 8,
-                               "EMULATE": False})
+                               "EMULATE": False, "QBLK": qblk})
               for name, fn, sig in [("gate_up", _gate_up_tc_kernel, gate_up_sig), ("down", _down_tc_kernel, down_sig)]
-              for wn, ch, sym in [(1, 1, True), (2, 4, False)]]
+              for wn, ch, sym, qblk in [(1, 1, True, False), (2, 4, False, False), (2, 1, True, True)]]
     for name, fn, sig, consts in cases:
         order = list(fn.arg_names)
         sig = {a: sig[a] for a in order}
