@@ -142,28 +142,37 @@ def test_int4_tc_asm_fragments(bf16):
     np.testing.assert_allclose(out, expect, rtol=0, atol=1e-4 * np.abs(ref).max())
 
 
-@cpu
-def test_int4_tc_repacked_interpreter():
+def check_repacked(n, k, e, h, i, dtype, device, tol):
     """The tc kernels on block-repacked weights (int4_tc.repack_blocks, config "qblk"): GEMV, gate_up, down."""
     from roofline.kernels.int4_tc import repack_blocks
 
     torch.manual_seed(11)
-    qw, qz, sc = random_int4(128, 384, 128, False)
-    x = torch.randn(3, 384).half()
+    qw, qz, sc = random_int4(n, k, 128, False, device)
+    x = torch.randn(3, k, device=device).to(dtype)
     y = int4_matmul(x, repack_blocks(qw), qz, sc, 128, sym=False, config={"tc": True, "qblk": True, "WN": 2, "SPLIT_K": 2})
-    assert rel_err(y, int4_matmul_reference(x, qw, qz, sc, 128)) < 2e-3
-    e, h, i, topk, t = 6, 256, 128, 3, 2
-    gate_up = random_int4(2 * i, h, 128, True, experts=e)
-    down = random_int4(h, i, 128, True, experts=e)
-    x = torch.randn(t, h).half()
-    ids = torch.stack([torch.randperm(e)[:topk] for _ in range(t)])
-    w = torch.softmax(torch.randn(t, topk), -1).half()
+    assert rel_err(y, int4_matmul_reference(x, qw, qz, sc, 128)) < tol
+    topk, t = 3, 2
+    gate_up = random_int4(2 * i, h, 128, True, device, e)
+    down = random_int4(h, i, 128, True, device, e)
+    x = torch.randn(t, h, device=device).to(dtype)
+    ids = torch.stack([torch.randperm(e, device=device)[:topk] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, topk, device=device), -1).to(dtype)
     cfg = {"tc": True, "qblk": True}
     act = experts_gate_up(x, ids, repack_blocks(gate_up[0]), gate_up[1], gate_up[2], 128, config=cfg)
     act_ref = experts_gate_up_reference(x, ids, *gate_up, 128)
-    assert rel_err(act, act_ref) < 2e-3
+    assert rel_err(act, act_ref) < tol
     out = experts_down(act_ref, ids, w, repack_blocks(down[0]), down[1], down[2], 128, config=cfg)
-    assert rel_err(out, experts_down_reference(act_ref, ids, w, *down, 128)) < 2e-3
+    assert rel_err(out, experts_down_reference(act_ref, ids, w, *down, 128)) < tol
+
+
+@cpu
+def test_int4_tc_repacked_interpreter():
+    check_repacked(128, 384, 6, 256, 128, torch.float16, "cpu", 2e-3)
+
+
+@gpu
+def test_int4_tc_repacked_gpu():
+    check_repacked(12288, 3072, 32, 3072, 1024, torch.bfloat16, GPU, 1e-2)
 
 
 def test_int4_tc_asm_layout():
