@@ -185,6 +185,22 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def _sum_choices(ws_ptr, out_ptr, cnt, chunk, T, H, n_offs, n_mask, ARRIVALS, SPLIT_K, SPLITP: tl.constexpr,
+                 CH: tl.constexpr, BN: tl.constexpr, TOPK: tl.constexpr):
+    """The down kernels' end: the last of the ARRIVALS programs of this (chunk, column tile) sums each token's
+    k weighted choices over the K splits, in order, from the workspace [SPLIT_K, T*TOPK, H]."""
+    if arrive(cnt, ARRIVALS):
+        toks = chunk * CH + tl.arange(0, CH)
+        tmask = (toks < T)[:, None] & n_mask[None, :]
+        total = tl.zeros([CH, BN], dtype=tl.float32)
+        for j in tl.static_range(TOPK):  # all k choices' partials are loaded together
+            total += sum_splits(ws_ptr, T * TOPK * H, (toks * TOPK + j)[:, None] * H + n_offs[None, :], tmask,
+                                SPLIT_K, SPLITP, 2)
+        tl.store(out_ptr + toks[:, None] * H + n_offs[None, :], total.to(out_ptr.dtype.element_ty), mask=tmask)
+        reset(cnt)
+
+
+@triton.jit
 def _down_kernel(
     act_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr,
     T, I, H, KP_PER_SPLIT, MAGIC,
@@ -215,17 +231,8 @@ def _down_kernel(
         tl.store(ws_ptr + pid_k * (T * TOPK * H) + row[:, None] * H + n_offs[None, :], y * w[:, None],
                  mask=routed[:, None] & n_mask[None, :])
     # every program of this (chunk, column tile) arrives; the last sums choices and splits in order
-    cnt = cnt_ptr + chunk * tl.num_programs(0) + pid_n
-    if arrive(cnt, SLOTS * SPLIT_K):
-        rr = tl.arange(0, CH)
-        toks = chunk * CH + rr
-        tmask = (toks < T)[:, None] & n_mask[None, :]
-        total = tl.zeros([CH, BN], dtype=tl.float32)
-        for j in tl.static_range(TOPK):  # all k choices' partials are loaded together
-            total += sum_splits(ws_ptr, T * TOPK * H, (toks * TOPK + j)[:, None] * H + n_offs[None, :], tmask,
-                                SPLIT_K, SPLITP, 2)
-        tl.store(out_ptr + toks[:, None] * H + n_offs[None, :], total.to(out_ptr.dtype.element_ty), mask=tmask)
-        reset(cnt)
+    _sum_choices(ws_ptr, out_ptr, cnt_ptr + chunk * tl.num_programs(0) + pid_n, chunk, T, H, n_offs, n_mask,
+                 SLOTS * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK)
 
 
 def _config(t: int, n: int, group_size: int, config: dict | None) -> dict:
@@ -432,17 +439,8 @@ def _down_tc_kernel(
     # every program of this (chunk, column tile) arrives; the last sums choices and splits in order
     n_offs = colbase + tl.arange(0, BN)
     n_mask = n_offs < H
-    cnt = cnt_ptr + chunk * tl.num_programs(0) + pid_n
-    if arrive(cnt, SLOTS * SPLIT_K):
-        rr = tl.arange(0, CH)
-        toks = chunk * CH + rr
-        tmask = (toks < T)[:, None] & n_mask[None, :]
-        total = tl.zeros([CH, BN], dtype=tl.float32)
-        for j in tl.static_range(TOPK):  # all k choices' partials are loaded together
-            total += sum_splits(ws_ptr, T * TOPK * H, (toks * TOPK + j)[:, None] * H + n_offs[None, :], tmask,
-                                SPLIT_K, SPLITP, 2)
-        tl.store(out_ptr + toks[:, None] * H + n_offs[None, :], total.to(out_ptr.dtype.element_ty), mask=tmask)
-        reset(cnt)
+    _sum_choices(ws_ptr, out_ptr, cnt_ptr + chunk * tl.num_programs(0) + pid_n, chunk, T, H, n_offs, n_mask,
+                 SLOTS * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK)
 
 
 def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
