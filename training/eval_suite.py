@@ -16,7 +16,7 @@ import time
 from roofline.engine.engine import Engine
 
 from .evaluate import accuracy, greedy_outputs, heldout, mtp_acceptance, prompt_ids
-from .tasks import TaskGenerator, answer_is_correct
+from .tasks import TaskGenerator
 
 
 def tool_scores(engine: Engine, n: int) -> dict:

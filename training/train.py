@@ -410,8 +410,6 @@ def evaluate(model_dir, device, n_arith=200, n_recall=50, n_tool=24, n_mtp=48, s
 
 def run_stream(args, cfg, tok_path, mix, device, out, fh, t_start):
     """Train on rows generated in the background (training/data.py RowStream)."""
-    import transformers
-
     from training.data import RowStream
 
     kinds = {"short": (args.row_len, args.max_facts, mix)}
@@ -438,14 +436,26 @@ def run_stream(args, cfg, tok_path, mix, device, out, fh, t_start):
         stream.reused[k] * kinds[k][0] for k in kinds)
     log(f"trained {info['steps_done']} steps in {info['train_seconds']:.0f}s; final losses {info['final_losses']}; "
         f"rows used {info['rows_used']} reused {info['rows_reused']}", fh)
+    save_trained(model, mtp, cfg, out, args, fh)
+    del model, mtp  # free the GPU for the evaluation
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    evaluate_and_record(out, info, args, device, t_start, fh)
+
+
+def save_trained(model, mtp, cfg, out, args, fh) -> None:
+    """Both training modes end here: the checkpoint (and, if asked, the tokenizer files)."""
     files = save_checkpoint(model, mtp, cfg, out, generation_config=generation_config(args.eos_ids))
     if args.copy_tokenizer:
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             shutil.copyfile(TINY / name, out / name)
     log(f"saved {[f.name for f in files]} ({sum(f.stat().st_size for f in files) / 1e6:.2f} MB)", fh)
-    del model, mtp
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+
+
+def evaluate_and_record(out, info, args, device, t_start, fh) -> None:
+    """Evaluate the saved checkpoint (unless --no-eval) and write train_result.json."""
+    import transformers
+
     result = {"train": info, "wall_seconds_before_eval": time.time() - t_start,
               "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__, "args": vars(args)}
@@ -577,24 +587,11 @@ def main(argv=None):
     info["tokens_seen"] = info["steps_done"] * args.batch * args.row_len
     log(f"trained {info['steps_done']} steps in {info['train_seconds']:.0f}s; final losses {info['final_losses']}", fh)
 
-    files = save_checkpoint(model, mtp, cfg, out, generation_config=generation_config(args.eos_ids))
-    if args.copy_tokenizer:
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            shutil.copyfile(TINY / name, out / name)
-    log(f"saved {[f.name for f in files]} ({sum(f.stat().st_size for f in files) / 1e6:.2f} MB)", fh)
-    del model, mtp
+    save_trained(model, mtp, cfg, out, args, fh)
+    del model, mtp  # free the GPU for the evaluation
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-    result = {"train": info, "wall_seconds_before_eval": time.time() - t_start,
-              "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "transformers": transformers.__version__, "args": vars(args)}
-    if not args.no_eval:
-        result["eval"] = evaluate(out, device, args.eval_arith, args.eval_recall, args.eval_tool, args.eval_mtp, fh=fh,
-                                  tok_dir=TINY)
-    result["wall_seconds"] = time.time() - t_start
-    (out / "train_result.json").write_text(json.dumps(result, indent=2) + "\n")
-    log(f"done in {result['wall_seconds']:.0f}s", fh)
+    evaluate_and_record(out, info, args, device, t_start, fh)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from ..config import ModelConfig
 from ..engine.cache import CachePool, SlotCache
 from ..engine.graphs import DecodeGraphs
 from ..kernels.dispatch import install_fast_path, install_weight_kernel
-from ..model.layers import GatedAttention, SlotBatch
+from ..model.layers import SlotBatch
 from ..quant.base import LinearWeight
 from .ceiling import TokenBytes, token_bytes
 
