@@ -87,6 +87,20 @@ def test_verify_rollback_equals_never_seeing_rejected_tokens(checkpoint):
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+@cpu
+def test_slots_are_released_once(checkpoint):
+    """A sequence that finished gives its slot back; cancelling it later must not free the slot again
+    (another sequence may hold it by then)."""
+    _, pooled = engines(checkpoint, "cpu", "float32", 2)
+    first = pooled.add(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=1))
+    while pooled.sequences:
+        pooled.step()
+    second = pooled.add(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4))
+    pooled.cancel(first)
+    assert second.cache.slot not in pooled.pool.free and second.draft.cache.slot not in pooled.mtp_pool.free
+    assert len(pooled.pool.free) == 3
+
+
 def test_slot_cache_prefill_equals_growing_cache(checkpoint):
     """Eager steps on a pool slot (how prompts are prefilled) give the reference cache's logits."""
     engine = Engine.from_pretrained(str(checkpoint), device="cpu", dtype="float32", fast_path=False)

@@ -119,7 +119,7 @@ class CachePool:
 
     def release(self, cache: "SlotCache") -> None:
         if cache.slot not in self.free:
-            self.free.append(cache.slot)
+            self.free.insert(0, cache.slot)  # reused first
 
 
 class SlotCache(SequenceCache):

@@ -197,10 +197,14 @@ class Engine:
         return seq
 
     def _release(self, seq: Sequence) -> None:
+        """Give a finished or cancelled sequence's slots back, once (a later cancel must not free a slot that
+        another sequence holds by then)."""
         if isinstance(seq.cache, SlotCache):
             self.pool.release(seq.cache)
+            seq.cache = SequenceCache()
         if seq.draft and isinstance(seq.draft.cache, SlotCache):
             self.mtp_pool.release(seq.draft.cache)
+            seq.draft.cache = SequenceCache()
 
     def cancel(self, seq: Sequence) -> None:
         """Drop a sequence and its caches at once (client gone)."""
