@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.dispatch import MAX_EXPERT_TOKENS
 from ..model.layers import SlotBatch
 from .cache import CachePool, SlotCache
 
 log = logging.getLogger("roofline.engine")
 
 MIN_SPAN = 1024  # smallest attention-span bucket
-MAX_GRAPH_ROWS = 16  # the expert kernels' limit (dispatch.MAX_EXPERT_TOKENS): beyond it the step runs eagerly
+MAX_GRAPH_ROWS = MAX_EXPERT_TOKENS  # beyond the expert kernels' rows the step runs eagerly (the reference syncs)
 
 
 def _bucket(n: int, cap: int) -> int:
