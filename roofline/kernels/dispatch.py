@@ -20,7 +20,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ..model.layers import Experts, GatedAttention, GatedDeltaNet
+from ..model.layers import Experts, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
 from ..quant import Fp8BlockWeight, Int4Weight, LinearWeight
 from ..quant.int8 import Int8RowWeight
 
@@ -66,6 +66,23 @@ def _experts(module: Experts, syms: tuple[bool, bool], x, top_experts, top_weigh
     gate_up, down = module.gate_up, module.down
     act = experts_gate_up(x, top_experts, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size, sym=syms[0])
     return experts_down(act, top_experts, top_weights, down.qweight, down.qzeros, down.scales, down.group_size, sym=syms[1])
+
+
+# Kernels written and checked in Triton's interpreter but not yet on a GPU are opt-in until a GPU run has.
+FUSED_SMALL_OPS = os.environ.get("ROOFLINE_FUSED_SMALL_OPS", "0") == "1"
+
+
+def _fused_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    from .small_ops import rms_norm
+
+    return rms_norm(x, norm.weight, norm.eps)
+
+
+def _fused_route(moe: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from .small_ops import route_top_k
+
+    experts, weights = route_top_k(moe.gate(x), moe.top_k)
+    return experts, weights.to(x.dtype)
 
 
 def _dense_experts(module: Experts, x, top_experts, top_weights) -> torch.Tensor:
@@ -149,6 +166,12 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
             result.graph_blockers.append(
                 f"routed experts stored as {module.gate_up.FORMAT}/{module.down.FORMAT} have no sync-free kernel"
             )
+        elif isinstance(module, RMSNorm) and FUSED_SMALL_OPS:
+            module.forward = partial(_fused_norm, module)
+            installed["fused rms_norm"] += 1
+        elif isinstance(module, SparseMoE) and FUSED_SMALL_OPS:
+            module.route = partial(_fused_route, module)
+            installed["fused router"] += 1
         elif isinstance(module, GatedAttention):
             module.slot_step = partial(attention_slot_step, module)
             installed["decode attention"] += 1

@@ -1,0 +1,69 @@
+"""The fused small ops (RMSNorm, router top-k) against the model's own code, and the engine with them on.
+
+Without CUDA the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1); the
+`gpu` tests are the check that lets dispatch turn them on by default.
+"""
+
+import os
+
+import pytest
+import torch
+
+from roofline.kernels import dispatch
+from roofline.model.layers import rms_norm as reference_norm
+
+pytest.importorskip("triton")
+from roofline.kernels.small_ops import rms_norm, route_top_k  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+runs_here = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="needs CUDA or TRITON_INTERPRET=1")
+DTYPES = [torch.bfloat16, torch.float32] if torch.cuda.is_available() else [torch.float16, torch.float32]
+
+
+@runs_here
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 256), (3, 300), (96, 64), (4, 3072)])
+def test_rms_norm_matches_the_model(rows, dim, dtype):
+    x = torch.randn(rows, dim, device=DEVICE).to(dtype)
+    w = (torch.randn(dim, device=DEVICE) * 0.1).to(dtype)
+    got, want = rms_norm(x, w, 1e-6), reference_norm(x, w, 1e-6)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+
+@runs_here
+@pytest.mark.parametrize("tokens,experts,k", [(1, 256, 8), (5, 8, 2), (3, 512, 10), (16, 200, 8)])
+def test_route_top_k_matches_softmax_topk(tokens, experts, k):
+    logits = torch.randn(tokens, experts, device=DEVICE)
+    got_e, got_w = route_top_k(logits, k)
+    probs = torch.softmax(logits.float(), dim=-1)
+    want_w, want_e = torch.topk(probs, k, dim=-1)
+    assert torch.equal(got_e, want_e)
+    assert torch.allclose(got_w, want_w / want_w.sum(-1, keepdim=True), atol=1e-6)
+
+
+@runs_here
+def test_engine_tokens_with_fused_small_ops(monkeypatch, tmp_path):
+    """The pooled engine with the fused norm and router gives the reference path's greedy tokens."""
+    from roofline.engine.engine import Engine
+    from roofline.engine.sampling import SamplingParams
+    from tiny_checkpoints import reference_model, text_config, write_variant
+
+    cfg = text_config(eos_token_id=255)
+    hf, mtp = reference_model(cfg, seed=5)
+    write_variant(hf, mtp, tmp_path / "m", cfg=cfg)
+    prompts = [[5, 17, 99, 3, 250, 42, 7], [9, 8, 7]]
+
+    def greedy(engine):
+        seqs = [engine.add(p, SamplingParams(temperature=0.0, max_tokens=6)) for p in prompts]
+        while engine.sequences:
+            engine.step()
+        return [s.output_ids for s in seqs]
+
+    want = greedy(Engine.from_pretrained(str(tmp_path / "m"), device=DEVICE, dtype="float32", fast_path=False))
+    monkeypatch.setattr(dispatch, "FUSED_SMALL_OPS", True)
+    fused = Engine.from_pretrained(str(tmp_path / "m"), device=DEVICE, dtype="float32", cuda_graphs=True, max_num_seqs=2)
+    assert type(fused.model.model.norm.forward).__name__ == "partial"
+    assert greedy(fused) == want
