@@ -67,3 +67,36 @@ def test_engine_tokens_with_fused_small_ops(monkeypatch, tmp_path):
     fused = Engine.from_pretrained(str(tmp_path / "m"), device=DEVICE, dtype="float32", cuda_graphs=True, max_num_seqs=2)
     assert type(fused.model.model.norm.forward).__name__ == "partial"
     assert greedy(fused) == want
+
+
+@runs_here
+@pytest.mark.parametrize("m", [1, 3])
+def test_attention_prologue_matches_the_model(m):
+    """q/k norms + partial RoPE + the KV write against GatedAttention's own modules (fp32)."""
+    from roofline.kernels.small_ops import attention_prologue
+    from roofline.model.layers import RMSNorm, RotaryEmbedding
+
+    b, hq, hkv, d, cap = 2, 4, 2, 64, 40
+    n = b * m
+    qg = torch.randn(n, hq, 2 * d, device=DEVICE)
+    k, v = torch.randn(n, hkv, d, device=DEVICE), torch.randn(n, hkv, d, device=DEVICE)
+    q_norm, k_norm = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
+    q_norm.weight = torch.nn.Parameter(torch.randn(d, device=DEVICE) * 0.1)
+    k_norm.weight = torch.nn.Parameter(torch.randn(d, device=DEVICE) * 0.1)
+    rotary = RotaryEmbedding(16, 1e4).to(DEVICE)
+    slots = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    positions = torch.tensor([p for start in (7, 30) for p in range(start, start + m)], device=DEVICE)
+    k_cache = torch.full((3, cap, hkv, d), float("nan"), device=DEVICE)
+    v_cache = k_cache.clone()
+    q = attention_prologue(qg, k, v, positions, slots, m, q_norm.weight, k_norm.weight, rotary.inv_freq,
+                           k_cache, v_cache, 1e-6)
+    with torch.no_grad():
+        want_q = rotary(q_norm(qg[..., :d]), positions)
+        want_k = rotary(k_norm(k), positions)
+    assert torch.allclose(q, want_q, atol=1e-5)
+    rows = slots.repeat_interleave(m)
+    assert torch.allclose(k_cache[rows.long(), positions], want_k, atol=1e-5)
+    assert torch.equal(v_cache[rows.long(), positions], v)
+    written = torch.zeros(3, cap, dtype=torch.bool, device=DEVICE)
+    written[rows.long(), positions] = True
+    assert torch.isnan(k_cache[~written]).all(), "nothing else in the cache is written"

@@ -173,7 +173,7 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
             module.route = partial(_fused_route, module)
             installed["fused router"] += 1
         elif isinstance(module, GatedAttention):
-            module.slot_step = partial(attention_slot_step, module)
+            module.slot_step = partial(attention_slot_step, module, fused_prologue=FUSED_SMALL_OPS)
             installed["decode attention"] += 1
         elif isinstance(module, GatedDeltaNet):
             module.slot_step = partial(gdn_slot_step, module)

@@ -21,16 +21,23 @@ from .decode_attention import decode_attention
 from .gdn_decode import gdn_decode
 
 
-def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch, fused_prologue: bool = False) -> torch.Tensor:
     n, m = x.shape[0], batch.tokens_per_seq
-    query, gate = attn.q_proj(x).view(n, attn.num_heads, 2 * attn.head_dim).chunk(2, dim=-1)
-    q = attn.rotary(attn.q_norm(query), batch.positions)
-    k = attn.rotary(attn.k_norm(attn.k_proj(x).view(n, attn.num_kv_heads, attn.head_dim)), batch.positions)
+    qg = attn.q_proj(x).view(n, attn.num_heads, 2 * attn.head_dim)  # [query | gate] per head
+    k = attn.k_proj(x).view(n, attn.num_kv_heads, attn.head_dim)
     v = attn.v_proj(x).view(n, attn.num_kv_heads, attn.head_dim)
     keys, values = batch.pool.keys[attn.layer_idx], batch.pool.values[attn.layer_idx]
-    rows = batch.slots.repeat_interleave(m)
-    keys[rows, batch.positions] = k
-    values[rows, batch.positions] = v
+    gate = qg[..., attn.head_dim :]
+    if fused_prologue:  # norms, RoPE and the KV write in one launch (small_ops, opt-in)
+        from .small_ops import attention_prologue
+
+        q = attention_prologue(qg, k, v, batch.positions, batch.slots, m, attn.q_norm.weight, attn.k_norm.weight,
+                               attn.rotary.inv_freq, keys, values, attn.q_norm.eps)
+    else:
+        q = attn.rotary(attn.q_norm(qg[..., : attn.head_dim]), batch.positions)
+        rows = batch.slots.repeat_interleave(m)
+        keys[rows, batch.positions] = attn.rotary(attn.k_norm(k), batch.positions)
+        values[rows, batch.positions] = v
     out = decode_attention(
         q.reshape(n // m, m, attn.num_heads, attn.head_dim), keys, values, batch.lengths,
         attn.head_dim**-0.5, max_len=batch.max_len, slots=batch.slots,

@@ -8,7 +8,9 @@ softmax / top-k / renormalise ~6. Here each is one launch over the step's few ro
 - `rms_norm(x, weight, eps)`: y = x * rsqrt(mean(x^2) + eps) * (1 + w) in fp32, rounded to
   x's dtype (roofline.model.layers.rms_norm), one program per row;
 - `route_top_k(logits, k)`: fp32 softmax over the experts, the k largest, renormalised to sum
-  to 1 (SparseMoE.route), one program per token.
+  to 1 (SparseMoE.route), one program per token;
+- `attention_prologue(...)`: gated attention's q/k norms, partial RoPE and the KV-cache write
+  (~40 small kernels in PyTorch), one program per (token, head).
 
 Not on by default until a GPU run has checked them (`ROOFLINE_FUSED_SMALL_OPS=1`, see
 dispatch.py); the tests compare them with the references in Triton's interpreter.
@@ -72,3 +74,65 @@ def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
     _route_kernel[(n,)](logits.contiguous(), experts, weights, e, K=k, KP=next_pow2(k), BE=next_pow2(e))
     return experts, weights
+
+
+@triton.jit
+def _attention_prologue_kernel(qg_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, inv_freq_ptr,
+                               q_out_ptr, kc_ptr, vc_ptr, H, HKV, D, T_CAP, M, eps,
+                               ROT: tl.constexpr, BD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)  # token row
+    h = tl.program_id(1)  # 0..H-1: query heads; H..H+HKV-1: key (and value) heads
+    pos = tl.load(pos_ptr + t)
+    d = tl.arange(0, BD)
+    mask = d < D
+    half: tl.constexpr = ROT // 2
+    partner = tl.where(d < half, d + half, d - half)  # rotate-half pairs (i, i + ROT/2)
+    partner = tl.where(d < ROT, partner, d)
+    is_q = h < H
+    kh = h - H
+    if is_q:
+        base = qg_ptr + (t * H + h) * 2 * D  # [query D | gate D] per head
+        w_ptr = qw_ptr
+    else:
+        base = k_ptr + (t * HKV + kh) * D
+        w_ptr = kw_ptr
+    x = tl.load(base + d, mask=mask, other=0).to(tl.float32)
+    xp = tl.load(base + partner, mask=mask, other=0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    dt = q_out_ptr.dtype.element_ty
+    normed = (x * r * (1.0 + tl.load(w_ptr + d, mask=mask, other=0).to(tl.float32))).to(dt).to(tl.float32)
+    normed_p = (xp * r * (1.0 + tl.load(w_ptr + partner, mask=mask, other=0).to(tl.float32))).to(dt).to(tl.float32)
+    angle = pos.to(tl.float32) * tl.load(inv_freq_ptr + (d % half), mask=d < ROT, other=0)
+    cos = tl.cos(angle).to(dt).to(tl.float32)
+    sin = tl.sin(angle).to(dt).to(tl.float32)
+    rotated = tl.where(d < half, -normed_p, normed_p)
+    out = tl.where(d < ROT, normed * cos + rotated * sin, normed).to(dt)
+    if is_q:
+        tl.store(q_out_ptr + (t * H + h) * D + d, out, mask=mask)
+    else:
+        slot = tl.load(slot_ptr + t // M).to(tl.int64)
+        row = ((slot * T_CAP + pos) * HKV + kh) * D
+        tl.store(kc_ptr + row + d, out, mask=mask)
+        v = tl.load(v_ptr + (t * HKV + kh) * D + d, mask=mask, other=0)
+        tl.store(vc_ptr + row + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def attention_prologue(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       tokens_per_seq: int, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, inv_freq: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated attention's work between the projections and decode attention, in one launch: q and k
+    zero-centred-RMSNormed per head, partial RoPE (rotate-half over the first 2 * len(inv_freq) dims) at
+    `positions`, k and v written into the pool at (slots[token // M], position). Returns q [n, H, D].
+
+    qg [n, H, 2D] ([query | gate] per head, as q_proj writes it), k, v [n, Hkv, D]; the caches
+    [S, T, Hkv, D]. The roundings to the model dtype follow the reference (normed, cos/sin), except that
+    RoPE's products are summed in fp32 before the one rounding."""
+    n, hq, d2 = qg.shape
+    hkv, d = k.shape[1], k.shape[2]
+    q = torch.empty(n, hq, d, dtype=qg.dtype, device=qg.device)
+    _attention_prologue_kernel[(n, hq + hkv)](
+        qg.contiguous(), k.contiguous(), v.contiguous(), positions, slots, q_norm_w, k_norm_w, inv_freq.to(qg.device),
+        q, k_cache, v_cache, hq, hkv, d, k_cache.shape[1], tokens_per_seq, eps,
+        ROT=2 * inv_freq.numel(), BD=next_pow2(d),
+    )
+    return q
