@@ -88,6 +88,23 @@ def test_verify_rollback_equals_never_seeing_rejected_tokens(checkpoint):
 
 
 @cpu
+def test_padding_rows_write_only_the_scratch_places(checkpoint):
+    """Three sequences run in a bucket of four: the padding row's keys land in slot 0's reserved tail and its
+    GDN state in the scratch slot; the free slot is untouched."""
+    _, pooled = engines(checkpoint, "cpu", "float32")
+    pool, graphs = pooled.pool, pooled.graphs
+    caches = [pool.acquire() for _ in range(3)]
+    free = pool.free[0]
+    graphs.run([5, 6, 7], caches, 1)
+    layer = next(iter(pool.keys))
+    assert pool.keys[layer][0, pool.max_len].abs().sum() > 0, "the padding row's keys go to the reserved tail"
+    assert pool.keys[layer][free].abs().sum() == 0 and pool.values[layer][free].abs().sum() == 0
+    gdn = next(iter(pool.recurrent))
+    assert pool.recurrent[gdn][pool.pad_slot].abs().sum() > 0 and pool.recurrent[gdn][free].abs().sum() == 0
+    assert all(pool.keys[layer][c.slot, 0].abs().sum() > 0 for c in caches)
+
+
+@cpu
 def test_slots_are_released_once(checkpoint):
     """A sequence that finished gives its slot back; cancelling it later must not free the slot again
     (another sequence may hold it by then)."""

@@ -88,7 +88,7 @@ def test_attention_prologue_matches_the_model(m):
     positions = torch.tensor([p for start in (7, 30) for p in range(start, start + m)], device=DEVICE)
     k_cache = torch.full((3, cap, hkv, d), float("nan"), device=DEVICE)
     v_cache = k_cache.clone()
-    q = attention_prologue(qg, k, v, positions, slots, m, q_norm.weight, k_norm.weight, rotary.inv_freq,
+    q = attention_prologue(qg, k, v, positions, positions, slots, m, q_norm.weight, k_norm.weight, rotary.inv_freq,
                            k_cache, v_cache, 1e-6)
     with torch.no_grad():
         want_q = rotary(q_norm(qg[..., :d]), positions)

@@ -81,10 +81,15 @@ class SequenceCache:
 class CachePool:
     """Decode state for `num_slots` sequences, allocated once: what CUDA graphs index by slot.
 
-    keys/values [S, max_len, kv_heads, head_dim] per full-attention layer (model dtype); conv
-    [S, K-1, conv_dim] and recurrent [S, v_heads, k_dim, v_dim] fp32 per GDN layer. The last
-    slot is reserved as scratch for the padding rows of a batch bucket.
+    keys/values [S, max_len + PAD_TOKENS, kv_heads, head_dim] per full-attention layer (model
+    dtype); conv [S + 1, K-1, conv_dim] and recurrent [S + 1, v_heads, k_dim, v_dim] fp32 per GDN
+    layer. The padding rows of a batch bucket need somewhere harmless to write: for GDN state
+    the extra slot `pad_slot` (a few hundred MB at most), for keys and values the last
+    PAD_TOKENS positions of slot 0, which no sequence reaches (a whole extra KV slot would cost
+    a full context: 6.4 GB at 256K tokens on the 122B).
     """
+
+    PAD_TOKENS = 8  # >= the most tokens a sequence has in one step (1 + the most drafts)
 
     def __init__(self, cfg, layer_types: list[str], num_slots: int, max_len: int, device, dtype: torch.dtype):
         self.max_len, self.num_slots = max_len, num_slots
@@ -95,7 +100,7 @@ class CachePool:
         slots = num_slots + 1
         for i, kind in enumerate(layer_types):
             if kind == "full_attention":
-                shape = (slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
+                shape = (num_slots, max_len + self.PAD_TOKENS, cfg.num_key_value_heads, cfg.head_dim)
                 self.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
                 self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
             else:
@@ -104,7 +109,8 @@ class CachePool:
                     slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
                     dtype=torch.float32, device=device,
                 )
-        self.pad_slot = num_slots
+        self.pad_slot = num_slots  # GDN state of padding rows
+        self.pad_kv = (0, max_len)  # (slot, first position) of padding rows' keys and values
         self.free = list(range(num_slots))
 
     @property

@@ -3,7 +3,7 @@
 A decode step for B sequences x M tokens (M > 1: a speculative verify) has fixed shapes, so
 it is captured once per bucket (B rounded up to a power of two, M, and the attention span
 rounded up to a power of two) and replayed with new inputs copied into its static buffers.
-Padding rows run on the pool's scratch slot. On a CPU (tests run the kernels in Triton's
+Padding rows run on the pool's scratch GDN slot and its reserved KV positions (CachePool). On a CPU (tests run the kernels in Triton's
 interpreter) the same step runs eagerly, so the captured code is the tested code.
 """
 
@@ -36,6 +36,8 @@ class StepBuffers:
     slots: torch.Tensor  # [B]
     positions: torch.Tensor  # [B*M]
     lengths: torch.Tensor  # [B]
+    kv_slots: torch.Tensor  # [B]
+    kv_positions: torch.Tensor  # [B*M]
     rollback: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
     hidden_in: torch.Tensor | None = None  # [B*M, H] the MTP head's hidden input
     hidden: torch.Tensor | None = None  # [B*M, H] post-norm
@@ -56,11 +58,14 @@ class DecodeGraphs:
 
     def _new_buffers(self, b: int, m: int, rollback: bool) -> StepBuffers:
         dev, pool = self.model.device, self.pool
-        buffers = StepBuffers(
+        pad_slot, pad_start = pool.pad_kv
+        buffers = StepBuffers(  # every row padding until run() fills them: the warm-up and capture touch no sequence
             ids=torch.zeros(b * m, dtype=torch.long, device=dev),
             slots=torch.full((b,), pool.pad_slot, dtype=torch.int32, device=dev),
             positions=torch.arange(m, device=dev).repeat(b),
             lengths=torch.full((b,), m, dtype=torch.int32, device=dev),
+            kv_slots=torch.full((b,), pad_slot, dtype=torch.int32, device=dev),
+            kv_positions=(pad_start + torch.arange(m, device=dev)).repeat(b),
             rollback=None,
             hidden_in=torch.zeros(b * m, self.model.config.hidden_size, dtype=self.model.dtype, device=dev) if self.mtp else None,
         )
@@ -75,7 +80,8 @@ class DecodeGraphs:
         return buffers
 
     def _body(self, buf: StepBuffers, m: int, span: int) -> None:
-        batch = SlotBatch(self.pool, buf.slots, buf.positions, buf.lengths, m, span, buf.rollback)
+        batch = SlotBatch(self.pool, buf.slots, buf.positions, buf.lengths, m, span, buf.rollback, buf.kv_slots,
+                          buf.kv_positions)
         if self.mtp:
             buf.hidden = self.model.mtp_slot_forward(buf.ids, buf.hidden_in, batch)
         else:
@@ -119,11 +125,16 @@ class DecodeGraphs:
         longest = max(c.num_tokens for c in caches) + m
         buf, b, span = self.buffers_for(n, m, longest, rollback)
         dev = buf.ids.device
+        pad_slot, pad_start = self.pool.pad_kv
         starts = torch.tensor([c.num_tokens for c in caches] + [0] * (b - n), dtype=torch.long)
         positions = (starts[:, None] + torch.arange(m)).reshape(-1)
+        kv_positions = positions.clone()
+        kv_positions[n * m :] += pad_start  # padding rows write past every sequence's end
         buf.ids.copy_(torch.tensor(list(ids) + [0] * ((b - n) * m), dtype=torch.long), non_blocking=True)
         buf.slots.copy_(torch.tensor([c.slot for c in caches] + [self.pool.pad_slot] * (b - n), dtype=torch.int32))
+        buf.kv_slots.copy_(torch.tensor([c.slot for c in caches] + [pad_slot] * (b - n), dtype=torch.int32))
         buf.positions.copy_(positions.to(dev))
+        buf.kv_positions.copy_(kv_positions.to(dev))
         buf.lengths.copy_((starts + m).to(torch.int32).to(dev))
         if self.mtp:
             buf.hidden_in[: len(ids)].copy_(hidden)

@@ -31,16 +31,16 @@ def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch,
     if fused_prologue:  # norms, RoPE and the KV write in one launch (small_ops, opt-in)
         from .small_ops import attention_prologue
 
-        q = attention_prologue(qg, k, v, batch.positions, batch.slots, m, attn.q_norm.weight, attn.k_norm.weight,
-                               attn.rotary.inv_freq, keys, values, attn.q_norm.eps)
+        q = attention_prologue(qg, k, v, batch.positions, batch.kv_positions, batch.kv_slots, m, attn.q_norm.weight,
+                               attn.k_norm.weight, attn.rotary.inv_freq, keys, values, attn.q_norm.eps)
     else:
         q = attn.rotary(attn.q_norm(qg[..., : attn.head_dim]), batch.positions)
-        rows = batch.slots.repeat_interleave(m)
-        keys[rows, batch.positions] = attn.rotary(attn.k_norm(k), batch.positions)
-        values[rows, batch.positions] = v
+        rows = batch.kv_slots.repeat_interleave(m)
+        keys[rows, batch.kv_positions] = attn.rotary(attn.k_norm(k), batch.positions)
+        values[rows, batch.kv_positions] = v
     out = decode_attention(
         q.reshape(n // m, m, attn.num_heads, attn.head_dim), keys, values, batch.lengths,
-        attn.head_dim**-0.5, max_len=batch.max_len, slots=batch.slots,
+        attn.head_dim**-0.5, max_len=batch.max_len, slots=batch.kv_slots,
     )
     out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
     return attn.o_proj(out)

@@ -77,7 +77,7 @@ def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 @triton.jit
-def _attention_prologue_kernel(qg_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, inv_freq_ptr,
+def _attention_prologue_kernel(qg_ptr, k_ptr, v_ptr, pos_ptr, kvpos_ptr, slot_ptr, qw_ptr, kw_ptr, inv_freq_ptr,
                                q_out_ptr, kc_ptr, vc_ptr, H, HKV, D, T_CAP, M, eps,
                                ROT: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)  # token row
@@ -111,18 +111,19 @@ def _attention_prologue_kernel(qg_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, qw_ptr, 
         tl.store(q_out_ptr + (t * H + h) * D + d, out, mask=mask)
     else:
         slot = tl.load(slot_ptr + t // M).to(tl.int64)
-        row = ((slot * T_CAP + pos) * HKV + kh) * D
+        row = ((slot * T_CAP + tl.load(kvpos_ptr + t)) * HKV + kh) * D
         tl.store(kc_ptr + row + d, out, mask=mask)
         v = tl.load(v_ptr + (t * HKV + kh) * D + d, mask=mask, other=0)
         tl.store(vc_ptr + row + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def attention_prologue(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                       tokens_per_seq: int, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, inv_freq: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float) -> torch.Tensor:
+def attention_prologue(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       kv_positions: torch.Tensor, slots: torch.Tensor, tokens_per_seq: int, q_norm_w: torch.Tensor,
+                       k_norm_w: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       eps: float) -> torch.Tensor:
     """Gated attention's work between the projections and decode attention, in one launch: q and k
     zero-centred-RMSNormed per head, partial RoPE (rotate-half over the first 2 * len(inv_freq) dims) at
-    `positions`, k and v written into the pool at (slots[token // M], position). Returns q [n, H, D].
+    `positions`, k and v written into the pool at (slots[token // M], kv_positions[token]). Returns q [n, H, D].
 
     qg [n, H, 2D] ([query | gate] per head, as q_proj writes it), k, v [n, Hkv, D]; the caches
     [S, T, Hkv, D]. The roundings to the model dtype follow the reference (normed, cos/sin), except that
@@ -131,7 +132,8 @@ def attention_prologue(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     hkv, d = k.shape[1], k.shape[2]
     q = torch.empty(n, hq, d, dtype=qg.dtype, device=qg.device)
     _attention_prologue_kernel[(n, hq + hkv)](
-        qg.contiguous(), k.contiguous(), v.contiguous(), positions, slots, q_norm_w, k_norm_w, inv_freq.to(qg.device),
+        qg.contiguous(), k.contiguous(), v.contiguous(), positions, kv_positions, slots, q_norm_w, k_norm_w,
+        inv_freq.to(qg.device),
         q, k_cache, v_cache, hq, hkv, d, k_cache.shape[1], tokens_per_seq, eps,
         ROT=2 * inv_freq.numel(), BD=next_pow2(d),
     )

@@ -40,16 +40,24 @@ class SlotBatch:
 
     The mixers' `slot_step` (installed with the fast path's kernels) reads and writes the pool in
     place. With M > 1 (speculative verify), `rollback` holds per GDN layer the buffers that
-    receive the state and conv window after each of the first M-1 tokens.
+    receive the state and conv window after each of the first M-1 tokens. Keys and values go to
+    (`kv_slots`, `kv_positions`), which differ from (`slots`, `positions`) only for a bucket's
+    padding rows (see CachePool).
     """
 
     pool: CachePool
-    slots: torch.Tensor  # [B] the pool slot of each sequence
-    positions: torch.Tensor  # [B*M] absolute positions
+    slots: torch.Tensor  # [B] the pool slot of each sequence (GDN state)
+    positions: torch.Tensor  # [B*M] absolute positions (RoPE, causality)
     lengths: torch.Tensor  # [B] cached tokens after this step
     tokens_per_seq: int
     max_len: int  # host-side bound on lengths (sizes the attention grid)
     rollback: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    kv_slots: torch.Tensor | None = None  # [B] where keys and values are written and read; default slots
+    kv_positions: torch.Tensor | None = None  # [B*M] where they are written; default positions
+
+    def __post_init__(self):
+        self.kv_slots = self.slots if self.kv_slots is None else self.kv_slots
+        self.kv_positions = self.positions if self.kv_positions is None else self.kv_positions
 
 
 def slot_step_missing(module: nn.Module, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
