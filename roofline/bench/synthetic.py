@@ -73,16 +73,7 @@ def measure_copy_bandwidth(device, nbytes: int = 2 << 30, repeats: int = 20) -> 
     """Bytes per second of a device-to-device copy, counting bytes read and written (median of repeats)."""
     src = torch.empty(nbytes // 2, dtype=torch.int16, device=device).random_()
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * nbytes / statistics.median(times[3:])
+    return 2 * nbytes / (_device_ms(lambda: dst.copy_(src), repeats, warmup=3) / 1e3)
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -97,17 +88,17 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def _replay_ms(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
-    """Median device time of one replay of `graph`, in ms."""
+def _device_ms(fn, repeats: int, warmup: int = 2) -> float:
+    """Median device time of `fn` (timed with CUDA events, each call alone), in ms."""
     times = []
-    for _ in range(repeats + 2):
+    for _ in range(warmup + repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times[2:])
+    return statistics.median(times[warmup:])
 
 
 def _graph_ms(fn, repeats: int) -> float:
@@ -120,7 +111,7 @@ def _graph_ms(fn, repeats: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return _replay_ms(graph, repeats)
+    return _device_ms(graph.replay, repeats)
 
 
 @dataclass
@@ -154,7 +145,7 @@ def decode_ms(run: SyntheticRun, m: int, repeats: int) -> tuple[float, float]:
 
     step_ms = _median_ms(step, repeats)
     buf = run.graphs.run(ids, [run.cache], m)
-    return step_ms, _replay_ms(buf.graph, repeats)
+    return step_ms, _device_ms(buf.graph.replay, repeats)
 
 
 def breakdown_ms(run: SyntheticRun, context: int, repeats: int) -> dict[str, float]:
@@ -274,14 +265,15 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     result["decode"] = rows
 
     fill_context(run, 0)
-    verify = {1: rows[0]["step_ms"] if contexts[0] == 0 else decode_ms(run, 1, repeats)[0]}
+    at_zero = next(((r["step_ms"], r["replay_ms"]) for r in rows if r["context"] == 0), None) or decode_ms(run, 1, repeats)
+    verify = {1: at_zero[0]}
     for m in verify_tokens:
         verify[m] = decode_ms(run, m, repeats)[0]
     result["tokens_per_sequence"] = [{"m": m, "step_ms": ms, "vs_m1": ms / verify[1]} for m, ms in sorted(verify.items())]
     progress("step time by tokens per sequence: " + ", ".join(f"M={m} {ms:.3f} ms" for m, ms in sorted(verify.items())))
 
     parts = breakdown_ms(run, 0, repeats)
-    whole = decode_ms(run, 1, repeats)[1]
+    whole = at_zero[1]
     parts["rest"] = whole - sum(parts.values())
     result["breakdown_ms"] = {"whole_step_graph": whole, **parts,
                               "note": "each component captured alone over all layers; rest = whole step - their sum"}
