@@ -203,7 +203,7 @@ def test_int4_matmul_gpu(m, n, k, tc):
 @pytest.mark.parametrize("config", [None, {"mma": True}, {"tc": True}, {"tc": True, "WN": 2, "KW": 2, "SPLIT_K": 5}])
 @pytest.mark.parametrize("m", [1, 4])
 def test_int4_matmul_gpu_paths(m, config):
-    """Lanes path (default), its tensor-core variant, and the int4_tc path, asymmetric zeros."""
+    """Default config (the int4_tc path), the lanes path's tensor-core variant, and the int4_tc path, asymmetric zeros."""
     check_int4(m, 8192, 3072, 128, False, torch.bfloat16, GPU, config=config)
 
 

@@ -68,8 +68,9 @@ def _experts(module: Experts, syms: tuple[bool, bool], x, top_experts, top_weigh
     return experts_down(act, top_experts, top_weights, down.qweight, down.qzeros, down.scales, down.group_size, sym=syms[1])
 
 
-# Kernels written and checked in Triton's interpreter but not yet on a GPU are opt-in until a GPU run has.
-FUSED_SMALL_OPS = os.environ.get("ROOFLINE_FUSED_SMALL_OPS", "0") == "1"
+# One-launch RMSNorm, router and attention prologue (small_ops.py; checked on an H200 by tests/test_small_ops.py).
+# ROOFLINE_FUSED_SMALL_OPS=0 runs the PyTorch ops instead (to compare, or to rule the kernels out).
+FUSED_SMALL_OPS = os.environ.get("ROOFLINE_FUSED_SMALL_OPS", "1") != "0"
 
 
 def _fused_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

@@ -295,12 +295,10 @@ def _launch_geometry(n, k, cfg, device, tiles_extra: int = 1):
     return tiles, split, kp_per_split
 
 
-# The int4_tc tensor-core path is opt-in until a GPU run has checked it: its first H200 run (run 3a,
-# benchmarks/NOTES-kernels.md) gave wrong results because triton 3.6 laid the 5-D tile out differently
-# from 3.9; the 2-D fix is checked on the CPU (PTX lane simulator, interpreter emulation, triton 3.6
-# TTGIR/PTX compiled for sm_90) but not yet on a GPU. Flip to True once
-# `pytest tests/test_kernels.py -k "int4 or experts"` passes on one; ROOFLINE_INT4_TC=1 turns it on meanwhile.
-TC_DEFAULT = os.environ.get("ROOFLINE_INT4_TC", "0") == "1"
+# The int4_tc tensor-core path is the default where it applies (bf16/fp16 x, group 128): checked on an H200
+# (tests/test_kernels.py -k "int4 or experts", 58 passed, session of 2026-12-02, after the layout fix of run 3a in
+# benchmarks/NOTES-kernels.md). ROOFLINE_INT4_TC=0 keeps every call on the lanes path.
+TC_DEFAULT = os.environ.get("ROOFLINE_INT4_TC", "1") != "0"
 
 
 def use_tc(config: dict | None) -> bool:

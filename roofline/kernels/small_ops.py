@@ -12,8 +12,8 @@ softmax / top-k / renormalise ~6. Here each is one launch over the step's few ro
 - `attention_prologue(...)`: gated attention's q/k norms, partial RoPE and the KV-cache write
   (~40 small kernels in PyTorch), one program per (token, head).
 
-Not on by default until a GPU run has checked them (`ROOFLINE_FUSED_SMALL_OPS=1`, see
-dispatch.py); the tests compare them with the references in Triton's interpreter.
+On by default in the fast path (`ROOFLINE_FUSED_SMALL_OPS=0` opts out, see dispatch.py); the
+tests compare them with the references in Triton's interpreter and on the GPU.
 """
 
 from __future__ import annotations
