@@ -54,7 +54,7 @@ def test_synthetic_command_on_gpu(tmp_path):
     out = tmp_path / "r.json"
     result = subprocess.run(
         [sys.executable, "-m", "roofline.cli", "bench", "synthetic", "--shape", "qwen3.5-35b-a3b", "--layers", "4",
-         "--contexts", "0,2K", "--repeats", "3", "--capacity", "4K", "--out", str(out)],
+         "--contexts", "0,2K", "--repeats", "3", "--capacity", "4K", "--profile", "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
@@ -64,3 +64,6 @@ def test_synthetic_command_on_gpu(tmp_path):
         assert 0 < row["fraction_of_ceiling"] < 1.2 and row["tok_s"] > 0
     assert [t["m"] for t in r["tokens_per_sequence"]] == [1, 2, 3, 4]
     assert r["breakdown_ms"]["routed experts"] > 0 and r["mtp"]["draft_step_ms"] > 0
+    prof = r["kernel_profile"]  # --profile: the captured step's kernels, as the CUDA profiler saw them
+    assert prof["kernels_per_step"] >= 4 * 4 and 0 < prof["kernel_us_per_step"] <= prof["span_us_per_step"]
+    assert any("int4" in k["name"] for k in prof["by_kernel"]), prof["by_kernel"][:5]

@@ -257,6 +257,8 @@ def train(args, cfg, rows_ids, rows_mask, steps, device, fh, bench=False, stream
             extra = ""
             if stream is not None:
                 extra = " rows used/reused " + ", ".join(f"{k} {stream.used[k]}/{stream.reused[k]}" for k in stream.used)
+            if device.type == "cuda":
+                extra += f" peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
             log(f"step {step}/{total} lr {lr:.2e} {msg} gnorm {float(gn):.2f} elapsed {time.time() - t0:.0f}s{extra}", fh)
             last = {k: float(v) / n for k, v in acc.items()}
             acc = {}

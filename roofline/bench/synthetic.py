@@ -170,6 +170,40 @@ def breakdown_ms(run: SyntheticRun, context: int, repeats: int) -> dict[str, flo
     return totals
 
 
+def kernel_profile(replay, steps: int = 5, first: int = 80) -> dict:
+    """The kernels one replay of a captured step runs, from the CUDA profiler: per kernel name the launches and
+    device time per step, their sum against the step's wall time (the difference is launch gaps), and the first
+    `first` kernels of one step in order with the idle time before each."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+            torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_time_total > 0),
+                     key=lambda e: e.time_range.start)
+    if not kernels:
+        return {"note": "the profiler recorded no kernels inside the graph replays"}
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time_total)
+    per_step = len(kernels) / steps
+    busy = sum(e.device_time_total for e in kernels) / steps
+    span = (kernels[-1].time_range.end - kernels[0].time_range.start) / steps
+    one = kernels[: int(per_step)]
+    order = [{"name": e.name[:80], "us": round(e.device_time_total, 2),
+              "idle_before_us": round(e.time_range.start - prev.time_range.end, 2) if prev else 0.0}
+             for prev, e in zip([None, *one[:first]], one[:first])]
+    table = sorted(({"name": n[:80], "launches": len(t) / steps, "us": sum(t) / steps} for n, t in by_name.items()),
+                   key=lambda row: -row["us"])
+    return {"kernels_per_step": per_step, "kernel_us_per_step": busy, "span_us_per_step": span,
+            "by_kernel": table, "first_kernels": order,
+            "note": "kernel times from the CUDA profiler over graph replays; span - kernel time = idle gaps"}
+
+
 DRAFT_VOCAB = 32768  # a draft LM head over the first 32K token ids (the acceptance it keeps is not measured here)
 COMPONENTS = ("attention", "gdn", "routed experts", "shared expert", "lm head", "rest")
 
@@ -218,7 +252,7 @@ def _pool_bytes(pool: CachePool) -> tuple[int, int]:
 
 def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768), verify_tokens=(2, 3, 4),
                   repeats: int = 50, acceptance=(0.95, 0.80), layers: int | None = None, capacity: int = 262144,
-                  device: str = "cuda", progress=print) -> dict:
+                  device: str = "cuda", progress=print, profile: bool = False) -> dict:
     """Everything the module docstring lists, as a JSON-ready dict."""
     from ..errors import UserError
     from .environment import environment
@@ -277,6 +311,12 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     parts["rest"] = whole - sum(parts.values())
     result["breakdown_ms"] = {"whole_step_graph": whole, **parts,
                               "note": "each component captured alone over all layers; rest = whole step - their sum"}
+    if profile:
+        buf = run.graphs.run([1], [run.cache], 1)
+        result["kernel_profile"] = kernel_profile(buf.graph.replay)
+        kp = result["kernel_profile"]
+        progress(f"profile: {kp.get('kernels_per_step', 0):.0f} kernels per step, "
+                 f"{kp.get('kernel_us_per_step', 0) / 1e3:.3f} ms busy in a {kp.get('span_us_per_step', 0) / 1e3:.3f} ms span")
     draft = draft_ms(run, repeats)
     if draft is not None:
         verify_k = {m - 1: ms for m, ms in verify.items() if m > 1}
@@ -314,6 +354,11 @@ def format_report(r: dict) -> str:
         lines += [f"With the draft LM head over the first {r['mtp']['draft_vocab']} ids: draft step "
                   f"{r['mtp']['draft_step_ms_small_vocab']:.3f} ms; modelled at the same acceptance: "
                   + ", ".join(f"k={m['k']} {m['tok_s']:.0f} tok/s ({m['speedup']:.2f}x)" for m in r["mtp"]["modelled_small_vocab"])]
+    if "by_kernel" in r.get("kernel_profile", {}):
+        kp = r["kernel_profile"]
+        lines += ["", f"Kernels per step (profiler): {kp['kernels_per_step']:.0f} launches, {kp['kernel_us_per_step'] / 1e3:.3f} ms "
+                      f"busy in a {kp['span_us_per_step'] / 1e3:.3f} ms span", "| kernel | launches/step | us/step |", "|---|---|---|"]
+        lines += [f"| {k['name']} | {k['launches']:.0f} | {k['us']:.1f} |" for k in kp["by_kernel"][:25]]
     lines.append(f"\npeak GPU memory {r['peak_memory_bytes'] / 2**30:.1f} GiB (cache pool for {r['capacity_tokens']} tokens: "
                  f"{r['pool_bytes'] / 2**30:.2f} GiB)")
     return "\n".join(lines)

@@ -223,6 +223,8 @@ def add_synthetic(sub) -> None:
     p.add_argument("--capacity", default="256K", help="tokens of KV cache preallocated for the sequence (default 256K)")
     p.add_argument("--repeats", type=int, default=50, help="timed repeats per measurement, median reported (default 50)")
     p.add_argument("--layers", type=int, default=None, help="only the first N layers (a quick check)")
+    p.add_argument("--profile", action="store_true", help="also list the kernels of one captured step (CUDA profiler): "
+                                                           "launches and device time per kernel, and the idle gaps")
     p.add_argument("--out", default=None, metavar="FILE.json", help="write the result here")
     p.set_defaults(func=cmd_synthetic)
 
@@ -242,7 +244,7 @@ def cmd_synthetic(args) -> int:
         raise UserError("--repeats must be at least 1")
     result = run_synthetic(args.shape, layout_from_args(args), contexts, verify, args.repeats,
                            parse_acceptance(args.acceptance), args.layers, capacity,
-                           progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+                           progress=lambda msg: print(msg, file=sys.stderr, flush=True), profile=args.profile)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
