@@ -163,7 +163,7 @@ def breakdown_ms(run: SyntheticRun, context: int, repeats: int) -> dict[str, flo
         moe = layer.mlp
         if hasattr(moe, "experts"):
             totals["routed experts"] += _graph_ms(lambda: moe.experts(x, *moe.route(x)), repeats)
-            totals["shared expert"] += _graph_ms(lambda: moe.shared_expert(x) * torch.sigmoid(moe.shared_expert_gate(x)), repeats)
+            totals["shared expert"] += _graph_ms(lambda: moe.shared_expert(x), repeats)  # its gate logit comes with the router's
         else:
             totals["dense mlp"] = totals.get("dense mlp", 0.0) + _graph_ms(lambda: moe(x), repeats)
     totals["lm head"] = _graph_ms(lambda: model.logits(model.model.norm(x)), repeats)

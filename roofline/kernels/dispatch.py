@@ -20,7 +20,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ..model.layers import Experts, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
+from ..model.layers import MLP, DecoderLayer, Experts, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
 from ..quant import Fp8BlockWeight, Int4Weight, LinearWeight
 from ..quant.int8 import Int8RowWeight
 
@@ -30,12 +30,12 @@ MAX_DECODE_ROWS = 4  # = kernels._common.MAX_ROWS (not imported here: that modul
 MAX_EXPERT_TOKENS = 16  # beyond this (prefill) the reference loop over experts is used
 
 
-def _rows(x: torch.Tensor) -> int:
+def row_count(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
 def _int4(weight: Int4Weight, sym: bool, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
-    if 1 <= _rows(x) <= MAX_DECODE_ROWS:
+    if 1 <= row_count(x) <= MAX_DECODE_ROWS:
         from .int4_gemv import int4_matmul
 
         return int4_matmul(x, weight.qweight, weight.qzeros, weight.scales, weight.group_size, sym=sym)
@@ -43,7 +43,7 @@ def _int4(weight: Int4Weight, sym: bool, x: torch.Tensor, expert: int | None = N
 
 
 def _fp8(weight: Fp8BlockWeight, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
-    if 1 <= _rows(x) <= MAX_DECODE_ROWS:
+    if 1 <= row_count(x) <= MAX_DECODE_ROWS:
         from .fp8_gemv import fp8_matmul
 
         return fp8_matmul(x, weight.weight, weight.scale_inv, weight.block)
@@ -51,7 +51,7 @@ def _fp8(weight: Fp8BlockWeight, x: torch.Tensor, expert: int | None = None) -> 
 
 
 def _int8(weight: Int8RowWeight, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
-    if 1 <= _rows(x) <= MAX_DECODE_ROWS:
+    if 1 <= row_count(x) <= MAX_DECODE_ROWS:
         from .int8_lm_head import int8_matmul
 
         return int8_matmul(x, weight.weight, weight.weight_scale)
@@ -133,6 +133,54 @@ def install_weight_kernel(weight: LinearWeight) -> str | None:
     return None
 
 
+# Linears that read the same input, by module type: merged where formats allow (merge.py).
+MERGE_GROUPS = {
+    GatedAttention: {"qkv": ("q_proj", "k_proj", "v_proj")},
+    GatedDeltaNet: {"qkv_z": ("in_proj_qkv", "in_proj_z"), "b_a": ("in_proj_b", "in_proj_a")},
+    SparseMoE: {"router": ("gate", "shared_expert_gate")},
+    MLP: {"gate_up": ("gate_proj", "up_proj")},
+}
+
+
+def _install_merged_projections(model: torch.nn.Module, installed: Counter) -> None:
+    from .merge import Projections
+
+    apart = Counter()
+    for module in model.modules():
+        groups = next((g for cls, g in MERGE_GROUPS.items() if isinstance(module, cls)), None)
+        if groups is None:
+            continue
+        module.merged = {}
+        for name, parts in groups.items():
+            proj = Projections([getattr(module, p) for p in parts], install_weight_kernel)
+            module.merged[name] = proj
+            if proj.blocker is None:
+                installed[f"merged {'+'.join(parts)}"] += 1
+            else:
+                apart[f"{'+'.join(parts)} ({proj.blocker})"] += 1
+    if apart:
+        log.info("projections kept apart: %s", ", ".join(f"{n} {what}" for what, n in apart.items()))
+
+
+def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
+    """Decoder layers, MoE blocks and MLPs with fewer launches for decode rows (blocks.py)."""
+    from .blocks import layer_forward, mlp_forward, moe_forward
+    from .int4_gemv import is_symmetric
+
+    for module in model.modules():
+        if isinstance(module, SparseMoE) and isinstance(module.experts.forward, partial) and module.experts.forward.func is _experts:
+            gate_up, down = module.experts.gate_up, module.experts.down
+            module.forward = partial(moe_forward, module, (is_symmetric(gate_up.qzeros), is_symmetric(down.qzeros)))
+            module.adds_residual = True
+            installed["fused moe block"] += 1
+        elif isinstance(module, MLP):
+            module.forward = partial(mlp_forward, module)
+            installed["fused mlp"] += 1
+        elif isinstance(module, DecoderLayer):
+            module.forward = partial(layer_forward, module)
+            installed["fused decoder layer"] += 1
+
+
 def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPath:
     """Install the Triton decode kernels on `model`; `allow_cpu` (tests) runs them in Triton's interpreter."""
     result = FastPath()
@@ -184,6 +232,9 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
                 installed["gdn chunked prefill (fla)"] += 1
     if installed["gdn decode"] and not fla and device.type == "cuda":
         log.warning("GDN prefill runs the PyTorch loop over tokens: fla-core is not installed (pip install 'roofline[gpu]')")
+    _install_merged_projections(model, installed)
+    if FUSED_SMALL_OPS:
+        _install_blocks(model, installed)
     result.graph_blockers = sorted(set(result.graph_blockers))
     dense = sum(1 for m in model.modules() if isinstance(m, LinearWeight) and m.FORMAT == "dense" and not m.num_experts)
     log.info(

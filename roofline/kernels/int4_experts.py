@@ -20,6 +20,8 @@ chunk however many of its tokens route to it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -186,26 +188,39 @@ def _gate_up_kernel(
 
 @triton.jit
 def _sum_choices(ws_ptr, out_ptr, cnt, chunk, T, H, n_offs, n_mask, ARRIVALS, SPLIT_K, SPLITP: tl.constexpr,
-                 CH: tl.constexpr, BN: tl.constexpr, TOPK: tl.constexpr):
+                 CH: tl.constexpr, BN: tl.constexpr, TOPK: tl.constexpr,
+                 sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr):
     """The down kernels' end: the last of the ARRIVALS programs of this (chunk, column tile) sums each token's
-    k weighted choices over the K splits, in order, from the workspace [SPLIT_K, T*TOPK, H]."""
+    k weighted choices over the K splits, in order, from the workspace [SPLIT_K, T*TOPK, H]. With SHARED it
+    adds the shared expert's output times sigmoid(its gate logit), with RESIDUAL the layer's residual,
+    rounding to the output dtype where the reference (SparseMoE.forward, DecoderLayer.forward) does."""
     if arrive(cnt, ARRIVALS):
         toks = chunk * CH + tl.arange(0, CH)
         tmask = (toks < T)[:, None] & n_mask[None, :]
+        offs = toks[:, None] * H + n_offs[None, :]
         total = tl.zeros([CH, BN], dtype=tl.float32)
         for j in tl.static_range(TOPK):  # all k choices' partials are loaded together
             total += sum_splits(ws_ptr, T * TOPK * H, (toks * TOPK + j)[:, None] * H + n_offs[None, :], tmask,
                                 SPLIT_K, SPLITP, 2)
-        tl.store(out_ptr + toks[:, None] * H + n_offs[None, :], total.to(out_ptr.dtype.element_ty), mask=tmask)
+        ty = out_ptr.dtype.element_ty
+        if SHARED:
+            g = tl.load(sg_ptr + toks * SG_STRIDE, mask=toks < T, other=0).to(tl.float32)
+            gate = (1.0 / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+            shared = (tl.load(sh_ptr + offs, mask=tmask, other=0).to(tl.float32) * gate[:, None]).to(ty).to(tl.float32)
+            total = total.to(ty).to(tl.float32) + shared
+        if RESIDUAL:
+            total = tl.load(res_ptr + offs, mask=tmask, other=0).to(tl.float32) + total.to(ty).to(tl.float32)
+        tl.store(out_ptr + offs, total.to(ty), mask=tmask)
         reset(cnt)
 
 
 @triton.jit
 def _down_kernel(
-    act_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr,
+    act_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr, sh_ptr, sg_ptr, SG_STRIDE, res_ptr,
     T, I, H, KP_PER_SPLIT, MAGIC,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
     ROWS: tl.constexpr, SYM: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, USE_MMA: tl.constexpr,
+    SHARED: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -232,7 +247,7 @@ def _down_kernel(
                  mask=routed[:, None] & n_mask[None, :])
     # every program of this (chunk, column tile) arrives; the last sums choices and splits in order
     _sum_choices(ws_ptr, out_ptr, cnt_ptr + chunk * tl.num_programs(0) + pid_n, chunk, T, H, n_offs, n_mask,
-                 SLOTS * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK)
+                 SLOTS * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED, RESIDUAL)
 
 
 def _config(t: int, n: int, group_size: int, config: dict | None) -> dict:
@@ -287,14 +302,18 @@ def experts_gate_up(x: torch.Tensor, ids: torch.Tensor, qweight, qzeros, scales,
 
 def experts_down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qweight, qzeros, scales,
                  group_size: int = 128, *, sym: bool | None = None, out=None, config: dict | None = None,
-                 counters=None) -> torch.Tensor:
-    """out [T, H] = sum_j weights[t, j] * act[t, j] @ Wd_e^T, e = ids[t, j]."""
+                 counters=None, shared=None, shared_gate=None, residual=None) -> torch.Tensor:
+    """out [T, H] = sum_j weights[t, j] * act[t, j] @ Wd_e^T, e = ids[t, j].
+
+    The MoE block's other terms can join in the same launch: `shared` [T, H] times sigmoid(`shared_gate`
+    [T] or [T, 1], rows may be strided) and `residual` [T, H], added as SparseMoE and DecoderLayer add them."""
     t, topk, inter = act.shape
     h = qweight.shape[-1]
     if sym is None:
         sym = is_symmetric(qzeros)
+    extra = _extra_terms(act, t, h, shared, shared_gate, residual)
     if _tc_path(act, h, inter, group_size, t, config, (qweight, qzeros, scales), down=True):
-        return _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters)
+        return _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters, extra)
     cfg = _config(t, h, group_size, config)
     ch = _chunk(t, cfg["mma"])
     chunks = triton.cdiv(t, ch)
@@ -305,12 +324,44 @@ def experts_down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qw
     ws = torch.empty(split, t * topk, h, dtype=torch.float32, device=act.device)
     cnt = counters if counters is not None else counters_for("experts_down", tiles * chunks, act.device)
     _down_kernel[(tiles, chunks * slots, split)](
-        act.contiguous(), ids.contiguous(), weights.contiguous(), qweight, qzeros, scales, out, ws, cnt,
+        act.contiguous(), ids.contiguous(), weights.contiguous(), qweight, qzeros, scales, out, ws, cnt, *extra.args(out),
         t, inter, h, kp_per_split, MAGIC,
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, GROUP=group_size, BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym),
-        SPLIT_K=split, SPLITP=next_pow2(split), USE_MMA=bool(cfg["mma"]), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+        SPLIT_K=split, SPLITP=next_pow2(split), USE_MMA=bool(cfg["mma"]), **extra.flags(),
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
     )
     return out
+
+
+@dataclass
+class _ExtraTerms:
+    """What the down kernels' epilogue adds besides the routed experts (see experts_down)."""
+
+    shared: torch.Tensor | None
+    gate: torch.Tensor | None
+    gate_stride: int
+    residual: torch.Tensor | None
+
+    def args(self, out):
+        return (self.shared if self.shared is not None else out, self.gate if self.gate is not None else out,
+                self.gate_stride, self.residual if self.residual is not None else out)
+
+    def flags(self):
+        return {"SHARED": self.shared is not None, "RESIDUAL": self.residual is not None}
+
+
+def _extra_terms(act, t: int, h: int, shared, shared_gate, residual) -> _ExtraTerms:
+    if (shared is None) != (shared_gate is None):
+        raise ValueError("experts_down: shared and shared_gate come together")
+    for name, term in (("shared", shared), ("residual", residual)):
+        if term is not None and (tuple(term.shape) != (t, h) or not term.is_contiguous() or term.device != act.device):
+            raise ValueError(f"experts_down: {name} must be contiguous [{t}, {h}] on {act.device}, got {list(term.shape)}")
+    stride = 0
+    if shared_gate is not None:
+        if shared_gate.shape[0] != t or shared_gate[0].numel() != 1:
+            raise ValueError(f"experts_down: shared_gate must hold one logit per token, got {list(shared_gate.shape)}")
+        stride = shared_gate.stride(0)
+    return _ExtraTerms(shared, shared_gate, stride, residual)
 
 
 # ------------------------------------------------------------------ tensor-core path (int4_tc)
@@ -406,11 +457,11 @@ def _gate_up_tc_finish(ws_ptr, act_ptr, row, mask, col, T, I, TOPK: tl.constexpr
 
 @triton.jit
 def _down_tc_kernel(
-    act32_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr,
+    act32_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr, sh_ptr, sg_ptr, SG_STRIDE, res_ptr,
     T, I2, H, GROUPS, GPS, QW_E, QZ_E, SC_E,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
-    QBLK: tl.constexpr = False,
+    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, QBLK: tl.constexpr = False,
 ):
     BN: tl.constexpr = 32 * WN
     pid_n = tl.program_id(0)
@@ -440,7 +491,7 @@ def _down_tc_kernel(
     n_offs = colbase + tl.arange(0, BN)
     n_mask = n_offs < H
     _sum_choices(ws_ptr, out_ptr, cnt_ptr + chunk * tl.num_programs(0) + pid_n, chunk, T, H, n_offs, n_mask,
-                 SLOTS * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK)
+                 SLOTS * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED, RESIDUAL)
 
 
 def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
@@ -491,7 +542,7 @@ def _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, count
     return act
 
 
-def _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters):
+def _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters, extra):
     t, topk, inter = act.shape
     h = qweight.shape[-1]
     cfg = _tc_expert_config(t, config, down=True)
@@ -505,9 +556,9 @@ def _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, confi
     cnt = counters if counters is not None else counters_for("experts_down_tc", tiles * chunks, act.device)
     _down_tc_kernel[(tiles, chunks * slots, split)](
         act.contiguous().view(torch.int32), ids.contiguous(), weights.contiguous(), qweight, qzeros, scales, out, ws,
-        cnt, t, inter // 2, h, inter // GROUP, gps, qweight[0].numel(), qzeros[0].numel(), scales[0].numel(),
+        cnt, *extra.args(out), t, inter // 2, h, inter // GROUP, gps, qweight[0].numel(), qzeros[0].numel(), scales[0].numel(),
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
-        BF16=act.dtype == torch.bfloat16, SPLIT_K=split, SPLITP=next_pow2(split), EMULATE=INTERPRET,
+        BF16=act.dtype == torch.bfloat16, SPLIT_K=split, SPLITP=next_pow2(split), EMULATE=INTERPRET, **extra.flags(),
         QBLK=bool(cfg.get("qblk")), num_warps=cfg["WN"] * cfg["KW"], num_stages=1, **launch_options(cfg),
     )
     return out

@@ -1,7 +1,8 @@
 """The mixers' pooled decode step (`slot_step`) on the fused kernels: what a CUDA graph captures.
 
 Installed by `dispatch.install_fast_path` on each GatedAttention and GatedDeltaNet. Projections
-go through the weights' own (fast-path) `forward`; the cache work is one kernel per layer:
+that read the same input run as one merged weight where their formats agree (q/k/v; GDN's qkv/z
+and b/a; see merge.py); the cache work is one kernel per layer:
 attention writes the step's keys and values into the pool at their positions and runs
 `decode_attention` over the slot; GDN runs `gdn_decode`, which updates the slot's conv window
 and recurrent state in place (and, for a multi-token verify step, saves the state after each
@@ -23,9 +24,10 @@ from .gdn_decode import gdn_decode
 
 def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch, fused_prologue: bool = False) -> torch.Tensor:
     n, m = x.shape[0], batch.tokens_per_seq
-    qg = attn.q_proj(x).view(n, attn.num_heads, 2 * attn.head_dim)  # [query | gate] per head
-    k = attn.k_proj(x).view(n, attn.num_kv_heads, attn.head_dim)
-    v = attn.v_proj(x).view(n, attn.num_kv_heads, attn.head_dim)
+    qg, k, v = attn.merged["qkv"](x)  # one launch where q/k/v share a format (merge.py)
+    qg = qg.view(n, attn.num_heads, 2 * attn.head_dim)  # [query | gate] per head
+    k = k.view(n, attn.num_kv_heads, attn.head_dim)
+    v = v.view(n, attn.num_kv_heads, attn.head_dim)
     keys, values = batch.pool.keys[attn.layer_idx], batch.pool.values[attn.layer_idx]
     gate = qg[..., attn.head_dim :]
     if fused_prologue:  # norms, RoPE and the KV write in one launch (small_ops, opt-in)
@@ -48,8 +50,10 @@ def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch,
 
 def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
     step_states, step_conv = (batch.rollback or {}).get(gdn.layer_idx, (None, None))
+    qkv, z = gdn.merged["qkv_z"](x)  # each pair one launch where its formats agree (merge.py)
+    b, a = gdn.merged["b_a"](x)
     core = gdn_decode(
-        gdn.in_proj_qkv(x), gdn.in_proj_z(x), gdn.in_proj_b(x), gdn.in_proj_a(x),
+        qkv, z, b, a,
         batch.pool.conv[gdn.layer_idx], gdn.conv1d.weight, gdn.A_log, gdn.dt_bias, gdn.norm.weight,
         batch.pool.recurrent[gdn.layer_idx], gdn.num_k_heads, gdn.eps,
         slots=batch.slots, tokens_per_seq=batch.tokens_per_seq, step_states=step_states, step_conv=step_conv,

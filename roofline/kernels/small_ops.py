@@ -6,7 +6,9 @@ PyTorch (cast, square, mean, add, rsqrt, two multiplies, cast back), the MoE rou
 softmax / top-k / renormalise ~6. Here each is one launch over the step's few rows:
 
 - `rms_norm(x, weight, eps)`: y = x * rsqrt(mean(x^2) + eps) * (1 + w) in fp32, rounded to
-  x's dtype (roofline.model.layers.rms_norm), one program per row;
+  x's dtype (roofline.model.layers.rms_norm), one program per row; `add_rms_norm` adds the
+  residual first and returns both (the decoder layer's add and the next norm);
+- `silu_mul(gate_up)`: silu(gate) * up (the shared expert's activation, two kernels in PyTorch);
 - `route_top_k(logits, k)`: fp32 softmax over the experts, the k largest, renormalised to sum
   to 1 (SparseMoE.route), one program per token;
 - `attention_prologue(...)`: gated attention's q/k norms, partial RoPE and the KV-cache write
@@ -26,11 +28,15 @@ from ._common import next_pow2
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, BD: tl.constexpr):
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, D, eps, ADD: tl.constexpr, BD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BD)
     mask = d < D
-    x = tl.load(x_ptr + row * D + d, mask=mask, other=0).to(tl.float32)
+    x = tl.load(x_ptr + row * D + d, mask=mask, other=0)
+    if ADD:  # h = x + r, rounded to the model dtype as the reference's add is, then normed
+        x = x + tl.load(r_ptr + row * D + d, mask=mask, other=0)
+        tl.store(h_ptr + row * D + d, x, mask=mask)
+    x = x.to(tl.float32)
     w = tl.load(w_ptr + d, mask=mask, other=0).to(tl.float32)
     normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     tl.store(y_ptr + row * D + d, (normed * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=mask)
@@ -41,16 +47,47 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     d = x.shape[-1]
     x2 = x.reshape(-1, d).contiguous()
     y = torch.empty_like(x2)
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, d, eps, BD=next_pow2(d))
+    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, d, eps, ADD=False, BD=next_pow2(d))
     return y.view(x.shape)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h)) with h = x + residual: the decoder layer's residual add and the next norm in one launch."""
+    d = x.shape[-1]
+    x2, r2 = x.reshape(-1, d).contiguous(), residual.reshape(-1, d).contiguous()
+    h, y = torch.empty_like(x2), torch.empty_like(x2)
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, d, eps, ADD=True, BD=next_pow2(d))
+    return h.view(x.shape), y.view(x.shape)
+
+
 @triton.jit
-def _route_kernel(logits_ptr, experts_ptr, weights_ptr, E, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, I, STRIDE, BI: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BI + tl.arange(0, BI)
+    mask = i < I
+    g = tl.load(gu_ptr + row * STRIDE + i, mask=mask, other=0).to(tl.float32)
+    u = tl.load(gu_ptr + row * STRIDE + I + i, mask=mask, other=0)
+    act = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # F.silu rounds to the dtype before the product
+    tl.store(out_ptr + row * I + i, act * u, mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from one [N, 2I] tensor holding [gate | up] per row (rows may be strided)."""
+    n, i2 = gate_up.shape
+    if gate_up.stride(1) != 1 or i2 % 2:
+        raise ValueError(f"silu_mul wants rows of [gate | up] with unit stride, got {list(gate_up.shape)}")
+    out = torch.empty(n, i2 // 2, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, next_pow2(i2 // 2))
+    _silu_mul_kernel[(n, triton.cdiv(i2 // 2, block))](gate_up, out, i2 // 2, gate_up.stride(0), BI=block)
+    return out
+
+
+@triton.jit
+def _route_kernel(logits_ptr, experts_ptr, weights_ptr, E, STRIDE, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BE)
     mask = e < E
-    z = tl.load(logits_ptr + row * E + e, mask=mask, other=-float("inf")).to(tl.float32)
+    z = tl.load(logits_ptr + row * STRIDE + e, mask=mask, other=-float("inf")).to(tl.float32)
     p = tl.exp(z - tl.max(z, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(mask, p, -1.0)
@@ -68,11 +105,13 @@ def _route_kernel(logits_ptr, experts_ptr, weights_ptr, E, K: tl.constexpr, KP: 
 
 
 def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(experts [N, k] int64, weights [N, k] fp32 summing to 1) from router logits [N, E]."""
+    """(experts [N, k] int64, weights [N, k] fp32 summing to 1) from router logits [N, E] (rows may be strided)."""
     n, e = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
     experts = torch.empty(n, k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
-    _route_kernel[(n,)](logits.contiguous(), experts, weights, e, K=k, KP=next_pow2(k), BE=next_pow2(e))
+    _route_kernel[(n,)](logits, experts, weights, e, logits.stride(0), K=k, KP=next_pow2(k), BE=next_pow2(e))
     return experts, weights
 
 

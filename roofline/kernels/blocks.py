@@ -1,0 +1,61 @@
+"""The decoder layer and the MoE block for decode rows (1..4), with fewer launches than the model code runs.
+
+Same math as `DecoderLayer.forward` and `SparseMoE.forward`, rounded where they round:
+
+- layer: h = x + mixer(norm1(x)); the add and norm2 are one launch (`add_rms_norm`); the MoE block
+  adds h itself, in its last kernel;
+- MLP (the dense model's, and the MoE's shared expert): gate and up as one merged GEMV, silu * up
+  in one kernel, down: 3 launches where the model code runs 5;
+- MoE (INT4 routed experts): router and shared-expert gate as one merged GEMV, the router's
+  softmax / top-k in one kernel, the routed experts' gate_up, the shared expert (3), then the
+  routed experts' down kernel, which also adds sigmoid(gate) * shared and the residual
+  (`experts_down`'s epilogue): 7 launches where the model code runs ~16.
+
+Installed by `dispatch.install_fast_path` with the fused small ops; more rows (prefill) run the
+model's own code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.layers import MLP, DecoderLayer, SparseMoE
+from .dispatch import MAX_DECODE_ROWS, row_count
+from .small_ops import add_rms_norm, route_top_k, silu_mul
+
+
+def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """SparseMoE.forward(x) (+ residual) for INT4 routed experts; `syms`: whether gate_up / down are symmetric."""
+    if not 1 <= row_count(x) <= MAX_DECODE_ROWS:
+        out = SparseMoE.forward(moe, x)
+        return out if residual is None else residual + out
+    from .int4_experts import experts_down, experts_gate_up
+
+    logits, gate_logit = moe.merged["router"](x)
+    experts, weights = route_top_k(logits, moe.top_k)
+    gate_up, down = moe.experts.gate_up, moe.experts.down
+    act = experts_gate_up(x, experts, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size, sym=syms[0])
+    shared_out = moe.shared_expert(x).contiguous()
+    return experts_down(act, experts, weights, down.qweight, down.qzeros, down.scales, down.group_size, sym=syms[1],
+                        shared=shared_out, shared_gate=gate_logit,
+                        residual=None if residual is None else residual.contiguous())
+
+
+def mlp_forward(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    """MLP.forward with gate and up as one merged projection and silu * up as one kernel."""
+    both = mlp.merged["gate_up"]
+    if both.merged is None or not 1 <= row_count(x) <= MAX_DECODE_ROWS:
+        return MLP.forward(mlp, x)
+    return mlp.down_proj(silu_mul(both.merged(x).reshape(-1, 2 * mlp.gate_proj.out_features)).view(*x.shape[:-1], -1))
+
+
+def layer_forward(layer: DecoderLayer, x: torch.Tensor, batch) -> torch.Tensor:
+    """DecoderLayer.forward with the residual add and the second norm fused, and the MoE adding the residual."""
+    if not 1 <= row_count(x) <= MAX_DECODE_ROWS:
+        return DecoderLayer.forward(layer, x, batch)
+    mixer = layer.self_attn if layer.layer_type == "full_attention" else layer.linear_attn
+    norm = layer.post_attention_layernorm
+    h, normed = add_rms_norm(x, mixer(layer.input_layernorm(x), batch), norm.weight, norm.eps)
+    if getattr(layer.mlp, "adds_residual", False):
+        return layer.mlp(normed, residual=h)
+    return h + layer.mlp(normed)
