@@ -216,7 +216,7 @@ def test_int4_matmul_gpu_fp16(m):
 # ---------------------------------------------------------------- grouped INT4 experts
 
 
-def check_experts(t, experts, hidden, inter, topk, group, dtype, device, config=None, tol=1e-2):
+def check_experts(t, experts, hidden, inter, topk, group, dtype, device, config=None, tol=1e-2, extra=False):
     torch.manual_seed(t * 7 + experts)
     gate_up = random_int4(2 * inter, hidden, group, False, device, experts)
     down = random_int4(hidden, inter, group, True, device, experts)
@@ -232,9 +232,17 @@ def check_experts(t, experts, hidden, inter, topk, group, dtype, device, config=
                           config=config)
     act_ref = experts_gate_up_reference(x, ids, *gate_up, group)
     assert rel_err(act, act_ref) < tol
+    terms = {}
+    if extra:  # the MoE block's epilogue: + sigmoid(gate) * shared + residual; the gate a strided column of router logits
+        logits = torch.randn(t, experts + 1, device=device).to(dtype)
+        terms = {"shared": torch.randn(t, hidden, device=device).to(dtype), "shared_gate": logits[:, experts:],
+                 "residual": torch.randn(t, hidden, device=device).to(dtype)}
     out = experts_down(act_ref, ids, weights, *down, group, out=nan_like(torch.empty(t, hidden, dtype=dtype, device=device)),
-                       config=config)
-    assert rel_err(out, experts_down_reference(act_ref, ids, weights, *down, group)) < tol
+                       config=config, **terms)
+    want = experts_down_reference(act_ref, ids, weights, *down, group)
+    if extra:  # as SparseMoE.forward and DecoderLayer.forward compute it
+        want = terms["residual"] + (want + terms["shared"] * torch.sigmoid(terms["shared_gate"]))
+    assert rel_err(out, want) < tol
     assert_counters_zero()
 
 
@@ -248,6 +256,13 @@ def check_experts(t, experts, hidden, inter, topk, group, dtype, device, config=
 ])
 def test_experts_interpreter(t, config):
     check_experts(t, 6, 64, 48, 3, 16, torch.float32 if t % 2 else torch.float16, "cpu", config, tol=2e-3)
+
+
+@cpu
+@pytest.mark.parametrize("t,config", [(3, {"mma": False, "SPLIT_K": 2}), (2, {"tc": True, "SPLIT_K": 2})])
+def test_experts_down_adds_shared_and_residual_interpreter(t, config):
+    """experts_down's epilogue (the fused MoE block): sigmoid(gate) * shared + residual, lanes and tc paths."""
+    check_experts(t, 6, 256, 128, 3, 128, torch.float16, "cpu", config, tol=2e-3, extra=True)
 
 
 @cpu
@@ -275,6 +290,8 @@ def test_experts_gpu_split_and_mma():
     check_experts(1, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": False})
     check_experts(3, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": True, "WN": 4, "KW": 2, "SPLIT_K": 1})
     check_experts(16, 64, 3072, 1024, 8, 128, torch.float16, GPU, config={"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 5})
+    for t in (1, 4):  # the fused MoE block's epilogue at real sizes, default configs
+        check_experts(t, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, extra=True)
 
 
 def test_experts_reference_matches_model():

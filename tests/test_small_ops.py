@@ -100,3 +100,40 @@ def test_attention_prologue_matches_the_model(m):
     written = torch.zeros(3, cap, dtype=torch.bool, device=DEVICE)
     written[rows.long(), positions] = True
     assert torch.isnan(k_cache[~written]).all(), "nothing else in the cache is written"
+
+
+@runs_here
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_the_layer(dtype):
+    """(x + r, norm(x + r)) as DecoderLayer computes them: the add rounded to the dtype, then the norm."""
+    from roofline.kernels.small_ops import add_rms_norm
+
+    x, r = (torch.randn(3, 300, device=DEVICE).to(dtype) for _ in range(2))
+    w = (torch.randn(300, device=DEVICE) * 0.1).to(dtype)
+    h, normed = add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(h, x + r)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    want = reference_norm(x + r, w, 1e-6)
+    assert (normed.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+
+@runs_here
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_of_a_strided_gate_up(dtype):
+    from roofline.kernels.small_ops import silu_mul
+
+    whole = torch.randn(2, 2 * 1100 + 8, device=DEVICE).to(dtype)
+    gate_up = whole[:, : 2 * 1100]  # rows of a wider tensor (a merged projection's slice)
+    got = silu_mul(gate_up)
+    want = torch.nn.functional.silu(gate_up[:, :1100]) * gate_up[:, 1100:]
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert got.shape == want.shape and (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+
+@runs_here
+def test_route_top_k_reads_strided_logits():
+    """The router's logits as the first E columns of the merged router + shared-gate output."""
+    merged = torch.randn(3, 65, device=DEVICE)
+    got_e, got_w = route_top_k(merged[:, :64], 4)
+    want_e, want_w = route_top_k(merged[:, :64].contiguous(), 4)
+    assert torch.equal(got_e, want_e) and torch.equal(got_w, want_w)
