@@ -563,8 +563,9 @@ def test_gdn_reference_tokens_match_model():
 # ---------------------------------------------------------------- decode attention
 
 
-def check_attention(bsz, m, hq, hkv, d, cap, lengths, dtype, device, config=None, tol=1e-2, pool=None):
-    """decode_attention vs the reference; with `pool` (> bsz) the caches are a pool read through random slots."""
+def check_attention(bsz, m, hq, hkv, d, cap, lengths, dtype, device, config=None, tol=1e-2, pool=None, gated=False):
+    """decode_attention vs the reference; with `pool` (> bsz) the caches are a pool read through random slots;
+    with `gated` the output gate is the second half of each head's [query | gate] row, as q_proj writes it."""
     torch.manual_seed(bsz + m + cap)
     rows = pool or bsz
     q = torch.randn(bsz, m, hq, d, device=device).to(dtype)
@@ -572,8 +573,12 @@ def check_attention(bsz, m, hq, hkv, d, cap, lengths, dtype, device, config=None
     v = torch.randn(rows, cap, hkv, d, device=device).to(dtype)
     lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     slots = torch.arange(rows - 1, -1, -1)[:bsz].to(device) if pool else None  # never the identity rows
-    y = decode_attention(q, k, v, lens, out=nan_like(q), config=config, slots=slots)
-    assert rel_err(y, decode_attention_reference(q, k, v, lens, slots=slots)) < tol
+    gate = torch.randn(bsz * m, hq, 2 * d, device=device).to(dtype)[..., d:] if gated else None
+    y = decode_attention(q, k, v, lens, out=nan_like(q), config=config, slots=slots, gate=gate)
+    want = decode_attention_reference(q, k, v, lens, slots=slots)
+    if gated:  # GatedAttention: out * sigmoid(gate)
+        want = (want.reshape(bsz * m, hq, d) * torch.sigmoid(gate)).reshape(want.shape)
+    assert rel_err(y, want) < tol
     assert_counters_zero()
 
 
@@ -589,7 +594,7 @@ def check_attention(bsz, m, hq, hkv, d, cap, lengths, dtype, device, config=None
 ])
 def test_decode_attention_interpreter(bsz, m, hq, hkv, d, cap, lengths, config, pool):
     check_attention(bsz, m, hq, hkv, d, cap, lengths, torch.float32 if m % 2 else torch.float16, "cpu", config,
-                    tol=2e-3, pool=pool)
+                    tol=2e-3, pool=pool, gated=m > 1)
 
 
 @gpu
@@ -601,7 +606,7 @@ def test_decode_attention_gpu(m):
 @gpu
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_decode_attention_gpu_slots(m):
-    check_attention(2, m, 32, 2, 256, 8192, [8100, 3001], torch.bfloat16, GPU, pool=3)
+    check_attention(2, m, 32, 2, 256, 8192, [8100, 3001], torch.bfloat16, GPU, pool=3, gated=True)
 
 
 @gpu

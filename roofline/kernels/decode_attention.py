@@ -85,11 +85,23 @@ def _store_partial(base, m_i, l_i, acc, r, rmask, dd, BQ: tl.constexpr, BD: tl.c
 
 
 @triton.jit
+def _finish(out_ptr, out_offs, mask, acc, l, gate_ptr, gate_offs, HAS_GATE: tl.constexpr):
+    """out = acc / l in the output dtype; with HAS_GATE times sigmoid(gate), rounded as GatedAttention rounds."""
+    ty = out_ptr.dtype.element_ty
+    o = (acc / tl.where(l > 0, l, 1.0)[:, None]).to(ty)
+    if HAS_GATE:
+        g = tl.load(gate_ptr + gate_offs, mask=mask, other=0).to(tl.float32)
+        o = o * (1.0 / (1.0 + tl.exp(-g))).to(ty)
+    tl.store(out_ptr + out_offs, o.to(ty), mask=mask)
+
+
+@triton.jit
 def _decode_attn_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, slot_ptr, out_ptr, ws_ptr, gws_ptr, cnt_ptr,
+    q_ptr, k_ptr, v_ptr, len_ptr, slot_ptr, out_ptr, ws_ptr, gws_ptr, cnt_ptr, gate_ptr, GATE_ROW, GATE_HEAD,
     T, HQ, HKV, D, KEYS_PER_SPLIT, scale_log2, NSPLIT, NGROUP,
     M: tl.constexpr, HG: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
     GSIZE: tl.constexpr, NGROUPP: tl.constexpr, CH: tl.constexpr, CHG: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    HAS_GATE: tl.constexpr,
 ):
     sp = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -143,19 +155,20 @@ def _decode_attn_kernel(
     g = sp // GSIZE
     cnt = cnt_ptr + bh * (NGROUP + 1)
     out_offs = ((b * M + tok) * HQ + head)[:, None] * D + dd[None, :]
+    gate_offs = ((b * M + tok) * GATE_ROW + head * GATE_HEAD)[:, None] + dd[None, :]
+    omask = rmask[:, None] & dmask[None, :]
     if arrive(cnt + g, tl.minimum(GSIZE, NSPLIT - g * GSIZE)):
         m_g, l_g, acc_g = _combine(ws_ptr + (bh * NSPLIT + g * GSIZE).to(tl.int64) * WS,
                                    tl.minimum(GSIZE, NSPLIT - g * GSIZE), r, rmask, dd, BQ, BD, GSIZE, CH)
         reset(cnt + g)
         if NGROUP == 1:
-            tl.store(out_ptr + out_offs, (acc_g / tl.where(l_g > 0, l_g, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+            _finish(out_ptr, out_offs, omask, acc_g, l_g, gate_ptr, gate_offs, HAS_GATE)
         else:
             _store_partial(gws_ptr + (bh * NGROUP + g).to(tl.int64) * WS, m_g, l_g, acc_g, r, rmask, dd, BQ, BD)
             if arrive(cnt + NGROUP, NGROUP):
                 m_f, l_f, acc_f = _combine(gws_ptr + (bh * NGROUP).to(tl.int64) * WS, NGROUP, r, rmask, dd, BQ, BD,
                                            NGROUPP, CHG)
-                tl.store(out_ptr + out_offs, (acc_f / tl.where(l_f > 0, l_f, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
-                         mask=rmask[:, None] & dmask[None, :])
+                _finish(out_ptr, out_offs, omask, acc_f, l_f, gate_ptr, gate_offs, HAS_GATE)
                 reset(cnt + NGROUP)
 
 
@@ -169,10 +182,13 @@ def default_config() -> dict:
 
 
 def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None, *, max_len: int | None = None, out=None,
-                     slots=None, config: dict | None = None, counters=None) -> torch.Tensor:
+                     slots=None, gate=None, config: dict | None = None, counters=None) -> torch.Tensor:
     """Attention of q [B, M, Hq, D] over the caches [S, T, Hkv, D] (row slots[b] for sequence b, or row b)
-    (see the module docstring) -> [B, M, Hq, D]."""
+    (see the module docstring) -> [B, M, Hq, D]; with `gate` [B*M, Hq, D] (any row and head strides, unit
+    stride along D), the output times sigmoid(gate): gated attention's output gate in the same launch."""
     bsz, m, hq, d = q.shape
+    if gate is not None and (gate.shape != (bsz * m, hq, d) or gate.stride(-1) != 1):
+        raise ValueError(f"gate must be [{bsz * m}, {hq}, {d}] with unit stride along D, got {list(gate.shape)}")
     t_cap, hkv = k_cache.shape[1], k_cache.shape[2]
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not divide into {hkv} kv heads")
@@ -210,9 +226,10 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None, *
     cnt = counters if counters is not None else counters_for("decode_attention", bsz * hkv * (ngroup + 1), q.device)
     _decode_attn_kernel[(nsplit, hkv, bsz)](
         q.contiguous(), k_cache, v_cache, lengths, slots if slots is not None else lengths, out, ws,
-        ws[bsz * hkv * nsplit * bq * (bd + 2):], cnt,
+        ws[bsz * hkv * nsplit * bq * (bd + 2):], cnt, gate if gate is not None else q,
+        gate.stride(0) if gate is not None else 0, gate.stride(1) if gate is not None else 0,
         t_cap, hq, hkv, d, keys_per_split, scale * 1.4426950408889634, nsplit, ngroup,
         M=m, HG=hg, BQ=bq, BD=bd, BT=bt, GSIZE=gsize, NGROUPP=next_pow2(ngroup), CH=ch, CHG=chg,
-        HAS_SLOTS=slots is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_SLOTS=slots is not None, HAS_GATE=gate is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -42,10 +42,9 @@ def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch,
         values[rows, batch.kv_positions] = v
     out = decode_attention(
         q.reshape(n // m, m, attn.num_heads, attn.head_dim), keys, values, batch.lengths,
-        attn.head_dim**-0.5, max_len=batch.max_len, slots=batch.kv_slots,
+        attn.head_dim**-0.5, max_len=batch.max_len, slots=batch.kv_slots, gate=gate,  # output gate applied in-kernel
     )
-    out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
-    return attn.o_proj(out)
+    return attn.o_proj(out.reshape(n, -1))
 
 
 def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
