@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from roofline.kernels import _common  # noqa: E402
 from roofline.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
-from roofline.kernels.fp8_gemv import fp8_matmul, fp8_matmul_reference  # noqa: E402
+from roofline.kernels.fp8_gemv import dense_matmul, fp8_matmul, fp8_matmul_reference  # noqa: E402
 from roofline.kernels.gdn_decode import gdn_decode, gdn_decode_reference  # noqa: E402
 from roofline.kernels.int4_experts import (  # noqa: E402
     experts_down,
@@ -345,6 +345,28 @@ def test_fp8_matmul_interpreter(m, n, k, block, config):
 @pytest.mark.parametrize("n,k", [(2048, 3072), (3072, 1024), (1000, 3000)])
 def test_fp8_matmul_gpu(m, n, k):
     check_fp8(m, n, k, (128, 128), torch.bfloat16, GPU)
+
+
+def check_dense(m, n, k, dtype, device, tol):
+    torch.manual_seed(m + n)
+    w = torch.randn(n, k, device=device).to(dtype)
+    x = torch.randn(m, k, device=device).to(dtype)
+    y = dense_matmul(x, w, out=nan_like(torch.empty(m, n, dtype=dtype, device=device)))
+    assert rel_err(y, (x.float() @ w.float().t()).to(dtype)) < tol
+    assert_counters_zero()
+
+
+@cpu
+@pytest.mark.parametrize("m,n,k", [(1, 65, 256), (3, 129, 200)])  # the router + shared gate's 2^k + 1 rows
+def test_dense_matmul_interpreter(m, n, k):
+    check_dense(m, n, k, torch.float16, "cpu", 2e-3)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("n", [128, 257, 1024])  # GDN b/a merged, router + shared gate, the largest taken
+def test_dense_matmul_gpu(m, n):
+    check_dense(m, n, 3072, torch.bfloat16, GPU, 1e-2)
 
 
 # ---------------------------------------------------------------- fused GDN decode step

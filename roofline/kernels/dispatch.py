@@ -21,13 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from ..model.layers import MLP, DecoderLayer, Experts, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
-from ..quant import Fp8BlockWeight, Int4Weight, LinearWeight
+from ..quant import DenseWeight, Fp8BlockWeight, Int4Weight, LinearWeight
 from ..quant.int8 import Int8RowWeight
 
 log = logging.getLogger("roofline.kernels")
 
 MAX_DECODE_ROWS = 4  # = kernels._common.MAX_ROWS (not imported here: that module needs Triton)
 MAX_EXPERT_TOKENS = 16  # beyond this (prefill) the reference loop over experts is used
+DENSE_MAX_ROWS = 1024  # 16-bit dense weights up to this many rows take dense_matmul; larger ones stay on cuBLAS
 
 
 def row_count(x: torch.Tensor) -> int:
@@ -47,6 +48,14 @@ def _fp8(weight: Fp8BlockWeight, x: torch.Tensor, expert: int | None = None) -> 
         from .fp8_gemv import fp8_matmul
 
         return fp8_matmul(x, weight.weight, weight.scale_inv, weight.block)
+    return LinearWeight.forward(weight, x, expert)
+
+
+def _dense(weight: LinearWeight, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
+    if 1 <= row_count(x) <= MAX_DECODE_ROWS:
+        from .fp8_gemv import dense_matmul
+
+        return dense_matmul(x, weight.weight)
     return LinearWeight.forward(weight, x, expert)
 
 
@@ -130,6 +139,10 @@ def install_weight_kernel(weight: LinearWeight) -> str | None:
     if isinstance(weight, Int8RowWeight):
         weight.forward = partial(_int8, weight)
         return "int8 lm_head"
+    if (isinstance(weight, DenseWeight) and weight.out_features <= DENSE_MAX_ROWS and weight.weight.is_contiguous()
+            and weight.weight.dtype in (torch.bfloat16, torch.float16)):
+        weight.forward = partial(_dense, weight)  # small dense weights (router, GDN b/a): one launch, no cuBLAS split-K
+        return "small dense"
     return None
 
 
@@ -236,7 +249,8 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
     if FUSED_SMALL_OPS:
         _install_blocks(model, installed)
     result.graph_blockers = sorted(set(result.graph_blockers))
-    dense = sum(1 for m in model.modules() if isinstance(m, LinearWeight) and m.FORMAT == "dense" and not m.num_experts)
+    dense = sum(1 for m in model.modules()
+                if isinstance(m, LinearWeight) and m.FORMAT == "dense" and not m.num_experts and "forward" not in m.__dict__)
     log.info(
         "fast path: Triton decode kernels on %s; %d dense linears stay on PyTorch%s",
         ", ".join(f"{n} {kind}" for kind, n in installed.items()),
