@@ -668,7 +668,8 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     gate_up_sig = {"x32_ptr": "*i32", "ids_ptr": "*i64", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "act_ptr": "*bf16",
                    "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", **expert_common}
     down_sig = {"act32_ptr": "*i32", "ids_ptr": "*i64", "wts_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16",
-                "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "I2": "i32", "H": "i32", **expert_common}
+                "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "sh_ptr": "*bf16", "sg_ptr": "*bf16", "SG_STRIDE": "i32",
+                "res_ptr": "*bf16", "SHARED": "constexpr", "RESIDUAL": "constexpr", "I2": "i32", "H": "i32", **expert_common}
     cases = [("gemv", _gemv_tc_kernel, gemv_sig, {"WN": wn, "KW": kw, "SYM": sym, "BF16": True, "SPLITP": 4, "EMULATE": False,
                                                   "QBLK": False})
              for wn, kw, sym in [(4, 1, True), (4, 1, False), (2, 2, True)]]
@@ -678,6 +679,9 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
                                "EMULATE": False, "QBLK": qblk})
               for name, fn, sig in [("gate_up", _gate_up_tc_kernel, gate_up_sig), ("down", _down_tc_kernel, down_sig)]
               for wn, ch, sym, qblk in [(1, 1, True, False), (2, 4, False, False), (2, 1, True, True)]]
+    for case in cases:  # the down kernel's epilogue as the fused MoE block runs it (shared expert and residual added)
+        if case[0] == "down":
+            case[3].update(SHARED=True, RESIDUAL=True)
     for name, fn, sig, consts in cases:
         order = list(fn.arg_names)
         sig = {a: sig[a] for a in order}
