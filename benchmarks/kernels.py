@@ -276,10 +276,12 @@ def bench_fp8(b: Bench, quick: bool):
             if b.sweep:
                 b.try_configs("fp8_gemv", shape, nbytes, make, [
                     ("BN8 BK128 w2 pps4", {"BN": 8, "BK": 128, "num_warps": 2, "programs_per_sm": 4}),
-                    ("BN8 BK128 w2 pps8", {"BN": 8, "BK": 128, "num_warps": 2, "programs_per_sm": 8}),
-                    ("BN8 BK128 w2 pps16", {"BN": 8, "BK": 128, "num_warps": 2, "programs_per_sm": 16}),
-                    ("BN4 BK128 w1 pps16", {"BN": 4, "BK": 128, "num_warps": 1, "programs_per_sm": 16}),
                     ("BN8 BK128 w1 pps16", {"BN": 8, "BK": 128, "num_warps": 1, "programs_per_sm": 16}),
+                    ("BN8 BK256 w1 pps8", {"BN": 8, "BK": 256, "num_warps": 1, "programs_per_sm": 8}),
+                    ("BN4 BK512 w1 pps8", {"BN": 4, "BK": 512, "num_warps": 1, "programs_per_sm": 8}),
+                    ("BN8 BK512 w1 pps4", {"BN": 8, "BK": 512, "num_warps": 1, "programs_per_sm": 4}),
+                    ("BN8 BK512 w2 pps4", {"BN": 8, "BK": 512, "num_warps": 2, "programs_per_sm": 4}),
+                    ("BN16 BK256 w2 pps4", {"BN": 16, "BK": 256, "num_warps": 2, "programs_per_sm": 4}),
                 ])
             t = median_us(make(None))
             base = median_us(Rotor(lambda w: F.linear(x, w), [(w,) for w in dense]))

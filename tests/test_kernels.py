@@ -335,6 +335,7 @@ def check_fp8(m, n, k, block, dtype, device, config=None, tol=1e-2):
     (3, 72, 384, (16, 64), {"SPLIT_K": 2}),
     (4, 50, 130, (32, 32), {"SPLIT_K": 3}),
     (2, 24, 256, (128, 128), None),
+    (3, 40, 200, (16, 32), {"BK": 64, "SPLIT_K": 2}),  # a tile spanning two scale blocks along K
 ])
 def test_fp8_matmul_interpreter(m, n, k, block, config):
     check_fp8(m, n, k, block, torch.float32 if m % 2 else torch.float16, "cpu", config, tol=2e-3)
@@ -345,6 +346,14 @@ def test_fp8_matmul_interpreter(m, n, k, block, config):
 @pytest.mark.parametrize("n,k", [(2048, 3072), (3072, 1024), (1000, 3000)])
 def test_fp8_matmul_gpu(m, n, k):
     check_fp8(m, n, k, (128, 128), torch.bfloat16, GPU)
+
+
+@gpu
+@pytest.mark.parametrize("config", [{"BK": 256, "num_warps": 1}, {"BN": 4, "BK": 512, "num_warps": 2, "SPLIT_K": 3}])
+@pytest.mark.parametrize("m", [1, 4])
+def test_fp8_matmul_gpu_wide_tiles(m, config):
+    """Tiles wider than a scale block along K (the sweep's candidates), K not a multiple of the tile."""
+    check_fp8(m, 2048, 3072 + 128, (128, 128), torch.bfloat16, GPU, config)
 
 
 def check_dense(m, n, k, dtype, device, tol):

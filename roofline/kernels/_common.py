@@ -13,6 +13,7 @@ at the same time on different streams must not share counters: pass each its own
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -39,6 +40,40 @@ def counters_for(user: str, size: int, device: torch.device) -> torch.Tensor:
         buf = new_counters(max(size, 4096), device)
         _COUNTERS[key] = buf
     return buf
+
+
+# Programmatic dependent launch (sm_90+): each decode kernel is launched while the previous one
+# still runs; it issues its first weight loads (memory no kernel of the step writes), then
+# `wait_for_inputs` blocks until the previous kernel has finished and its writes are visible, and
+# lets the next kernel launch in turn. That hides the launch gap and the first loads' latency
+# behind the previous kernel's tail. Safe by construction: before the wait a kernel reads only
+# weights and writes nothing; the next kernel launches only after every program has passed its
+# wait, so a kernel started early never overtakes one two steps back. ROOFLINE_PDL=0 opts out.
+PDL_ENABLED = os.environ.get("ROOFLINE_PDL", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_supported(device) -> bool:
+    """Whether decode kernels on `device` launch with programmatic dependent launch (CUDA sm_90+, not opted out)."""
+    device = torch.device(device)
+    return PDL_ENABLED and not INTERPRET and device.type == "cuda" and _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_options(device) -> dict:
+    """Launch arguments of a decode kernel with a `PDL` constexpr: on where `pdl_supported`."""
+    return {"PDL": True, "launch_pdl": True} if pdl_supported(device) else {"PDL": False}
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """Under PDL: wait for the previous kernel (its writes visible), then let the next one launch. A no-op without."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 MAX_ROWS = 4  # decode kernels read each weight tile once for up to this many rows

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, arrive, counters_for, next_pow2, reset, sm_count
+from ._common import INTERPRET, arrive, counters_for, next_pow2, pdl_options, reset, sm_count, wait_for_inputs
 
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, scale: float | None = None, *, slots=None) -> torch.Tensor:
@@ -101,8 +101,9 @@ def _decode_attn_kernel(
     T, HQ, HKV, D, KEYS_PER_SPLIT, scale_log2, NSPLIT, NGROUP,
     M: tl.constexpr, HG: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
     GSIZE: tl.constexpr, NGROUPP: tl.constexpr, CH: tl.constexpr, CHG: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    HAS_GATE: tl.constexpr,
+    HAS_GATE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     sp = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -234,5 +235,6 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None, *
         t_cap, hq, hkv, d, keys_per_split, scale * 1.4426950408889634, nsplit, ngroup,
         M=m, HG=hg, BQ=bq, BD=bd, BT=bt, GSIZE=gsize, NGROUPP=next_pow2(ngroup), CH=ch, CHG=chg,
         HAS_SLOTS=slots is not None, HAS_GATE=gate is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_options(q.device),
     )
     return out

@@ -248,6 +248,15 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
     _install_merged_projections(model, installed)
     if FUSED_SMALL_OPS:
         _install_blocks(model, installed)
+    if device.type == "cuda":
+        from ._common import PDL_ENABLED, pdl_supported
+
+        if pdl_supported(device):
+            installed["programmatic dependent launch"] += 1
+        else:
+            log.info("decode kernels launch one after another (no programmatic dependent launch): %s",
+                     "ROOFLINE_PDL=0" if not PDL_ENABLED else f"it needs sm_90+, {device} is sm_"
+                     + "".join(map(str, torch.cuda.get_device_capability(device))))
     result.graph_blockers = sorted(set(result.graph_blockers))
     dense = sum(1 for m in model.modules()
                 if isinstance(m, LinearWeight) and m.FORMAT == "dense" and not m.num_experts and "forward" not in m.__dict__)

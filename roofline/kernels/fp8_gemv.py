@@ -2,9 +2,9 @@
 
 Layout (roofline.quant.fp8, no repack): weight float8_e4m3fn [N, K] row-major, scale_inv
 [ceil(N/bn), ceil(K/bk)] multiplying each (bn, bk) block. K is the contiguous axis, so lanes run
-along K with 16-byte loads (16 values) and each program keeps per-lane partial sums over its
-K range; one cross-lane reduction at the end. A tile never straddles a scale block (BN divides bn,
-BK divides bk), so the block scale folds into x once per tile. K is split over programs when N
+along K with 16-byte loads (16 values) and each lane keeps one partial sum per (row, token) over
+its 16 k; one cross-lane reduction at the end. A tile's rows stay in one scale block (BN divides
+bn); along K a tile may span several blocks, each k's block scale folds into x. K is split over programs when N
 alone gives too few tiles (the shared experts' down projection, N = 3072); the last program of
 a column tile adds the partial sums (see _common.arrive).
 
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, reset, sum_splits
+from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, sum_splits, wait_for_inputs
 from .int4_gemv import _sm_count
 
 
@@ -36,7 +36,7 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, K_PER_SPLIT, S_COLS,
     SBN: tl.constexpr, SBK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr,
-    HAS_SCALE: tl.constexpr = True,
+    HAS_SCALE: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -48,10 +48,12 @@ def _fp8_gemv_kernel(
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     srow = s_ptr + (pid_n * BN // SBN) * S_COLS
-    acc = tl.zeros([BM, BN, BK], dtype=tl.float32)
+    # per-lane partial sums over 16 consecutive k (one 16-byte load of a row), one cross-lane reduction at the end
+    acc = tl.zeros([BM, BN, BK // 16], dtype=tl.float32)
     # registers double-buffer the weight tile: the next step's load is in flight during this step's math
     k = k_start + kk
     w_next = tl.load(w_ptr + n_offs[:, None] * K + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
+    wait_for_inputs(PDL)  # the first weight tile is in flight; x comes from the previous kernel
     for k0 in range(k_start, k_end, BK):
         k = k0 + kk
         kmask = k < k_end
@@ -59,9 +61,11 @@ def _fp8_gemv_kernel(
         kn = k0 + BK + kk
         w_next = tl.load(w_ptr + n_offs[:, None] * K + kn[None, :], mask=n_mask[:, None] & (kn < k_end)[None, :], other=0.0)
         x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_mask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            x = x * tl.load(srow + k0 // SBK).to(tl.float32)
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        if HAS_SCALE:  # the block scale of each k (a tile may span several scale blocks along K)
+            x = x * tl.load(srow + k // SBK, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        x3 = tl.reshape(x, [BM, 1, BK // 16, 16])
+        w3 = tl.reshape(w.to(tl.float32), [1, BN, BK // 16, 16])
+        acc += tl.sum(x3 * w3, axis=3)
     y = tl.sum(acc, axis=2)  # [BM, BN]
     offs = m[:, None] * N + n_offs[None, :]
     omask = m_mask[:, None] & n_mask[None, :]
@@ -76,11 +80,14 @@ def _fp8_gemv_kernel(
 
 
 def default_config(m: int) -> dict:
-    """Measured on the H200 (benchmarks/NOTES-kernels.md): 8-row tiles on 2 warps; at 1-2 rows, more splits."""
+    """Measured on the H200 (benchmarks/NOTES-kernels.md): 8-row tiles; at one row on one warp with more splits
+    (run 4: shared gate_up 6.9 us vs 7.6 on 2 warps), from two rows on 2 warps."""
     if INTERPRET:
         return {"BN": 16, "BK": 32, "num_warps": 1}
     if m >= 3:
         return {"BN": 8, "BK": 128, "num_warps": 2}
+    if m == 1:
+        return {"BN": 8, "BK": 128, "num_warps": 1, "programs_per_sm": 16.0}
     return {"BN": 8, "BK": 128, "num_warps": 2, "programs_per_sm": 8.0}
 
 
@@ -94,9 +101,10 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
     cfg = default_config(m)
     cfg.update(config or {})
     bn_s, bk_s = block
-    bn, bk = min(cfg["BN"], bn_s), min(cfg["BK"], bk_s)
-    if bn_s % bn or bk_s % bk:
-        raise ValueError(f"tile ({bn}, {bk}) must divide the scale block {block}")
+    bn, bk = min(cfg["BN"], bn_s), cfg["BK"]
+    if bn_s % bn or bk % 16 or (bk_s % bk and bk % bk_s):
+        raise ValueError(f"tile ({bn}, {bk}): BN must divide the scale block's {bn_s} rows, BK be a multiple of 16 "
+                         f"that divides or is a multiple of its {bk_s} columns")
     tiles = triton.cdiv(n, bn)
     k_steps = triton.cdiv(k, bk)
     split = cfg.get("SPLIT_K")
@@ -114,6 +122,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
         scale_inv.shape[-1] if scale_inv is not None else 0,
         SBN=bn_s, SBK=bk_s, BM=max(1, 1 << (m - 1).bit_length()), BN=bn, BK=bk, SPLIT_K=split, SPLITP=next_pow2(split),
         HAS_SCALE=scale_inv is not None, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+        **pdl_options(x.device),
     )
     return out.reshape(*lead, n)
 

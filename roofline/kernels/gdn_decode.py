@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, arrive, counters_for, next_pow2, reset
+from ._common import INTERPRET, arrive, counters_for, next_pow2, pdl_options, reset, wait_for_inputs
 
 MAX_TOKENS = 5  # tokens per sequence in one step (1 decode token + up to 4 MTP drafts)
 
@@ -169,8 +169,9 @@ def _gdn_decode_kernel(
     C, KEY, HV, HK, DK, DV, eps,
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     NVB, KERNEL: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, SAVE_STATES: tl.constexpr, SAVE_CONV: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, SAVE_STATES: tl.constexpr, SAVE_CONV: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     vb = tl.program_id(0)
     h = tl.program_id(1)
     bi = tl.program_id(2)
@@ -290,6 +291,6 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps,
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
         CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STATES=save_states,
-        SAVE_CONV=save_conv, num_warps=num_warps or (2 if not INTERPRET else 1),
+        SAVE_CONV=save_conv, num_warps=num_warps or (2 if not INTERPRET else 1), **pdl_options(qkv.device),
     )
     return out

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, arrive, counters_for, next_pow2, reset, sum_splits
+from ._common import INTERPRET, arrive, counters_for, next_pow2, pdl_options, reset, sum_splits, wait_for_inputs
 from .int4_gemv import (
     MAGIC,
     _launch_geometry,
@@ -139,8 +139,9 @@ def _gate_up_kernel(
     x_ptr, ids_ptr, qw_ptr, qz_ptr, sc_ptr, act_ptr, ws_ptr, cnt_ptr,
     T, K, I, KP_PER_SPLIT, MAGIC,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
-    ROWS: tl.constexpr, SYM: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, USE_MMA: tl.constexpr,
+    ROWS: tl.constexpr, SYM: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, USE_MMA: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)  # which weights to read comes from the router's output
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -220,8 +221,9 @@ def _down_kernel(
     T, I, H, KP_PER_SPLIT, MAGIC,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
     ROWS: tl.constexpr, SYM: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, USE_MMA: tl.constexpr,
-    SHARED: tl.constexpr, RESIDUAL: tl.constexpr,
+    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -281,8 +283,9 @@ def experts_gate_up(x: torch.Tensor, ids: torch.Tensor, qweight, qzeros, scales,
     inter = qweight.shape[-1] // 2
     if sym is None:
         sym = is_symmetric(qzeros)
-    # at one token the lanes path was faster for gate_up in the H200 sweep (run 3a: 16.8 vs 18.4 us): tc only if asked
-    if (t > 1 or (config or {}).get("tc")) and _tc_path(x, inter, k, group_size, t, config, (qweight, qzeros, scales)):
+    # the tc path also at one token since the layout fix (H200 sweep run 4: 15.1 us on 2 warps, 4 programs per SM,
+    # vs 16.8 on the lanes path)
+    if _tc_path(x, inter, k, group_size, t, config, (qweight, qzeros, scales)):
         return _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, counters)
     cfg = _config(t, inter, group_size, config)
     ch = _chunk(t, cfg["mma"])
@@ -296,6 +299,7 @@ def experts_gate_up(x: torch.Tensor, ids: torch.Tensor, qweight, qzeros, scales,
         x.contiguous(), ids.contiguous(), qweight, qzeros, scales, act, ws, cnt, t, k, inter, kp_per_split, MAGIC,
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, GROUP=group_size, BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym),
         SPLIT_K=split, SPLITP=next_pow2(split), USE_MMA=bool(cfg["mma"]), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+        **pdl_options(x.device),
     )
     return act
 
@@ -328,7 +332,7 @@ def experts_down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qw
         t, inter, h, kp_per_split, MAGIC,
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, GROUP=group_size, BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym),
         SPLIT_K=split, SPLITP=next_pow2(split), USE_MMA=bool(cfg["mma"]), **extra.flags(),
-        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **pdl_options(act.device),
     )
     return out
 
@@ -401,8 +405,9 @@ def _gate_up_tc_kernel(
     T, K2, I, GROUPS, GPS, QW_E, QZ_E, SC_E,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
-    QBLK: tl.constexpr = False,
+    QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)  # which weights to read comes from the router's output
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -461,8 +466,9 @@ def _down_tc_kernel(
     T, I2, H, GROUPS, GPS, QW_E, QZ_E, SC_E,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
-    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, QBLK: tl.constexpr = False,
+    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     BN: tl.constexpr = 32 * WN
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -495,14 +501,15 @@ def _down_tc_kernel(
 
 
 def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
-    """H200 sweep, run 3a: down at T=1 fastest with 1-warp programs, 8 per SM (9.9 us vs 11.6 on 2 warps);
-    gate_up and T >= 2 with 2-4 warps (gate_up T=4: 33.9 us on 4 warps, 38.9 on 2)."""
+    """H200 sweeps: down at T=1 fastest with 1-warp programs, 8 per SM (run 3a: 9.9 us vs 11.6 on 2 warps);
+    gate_up at T=1 on 2 warps, 4 per SM (run 4: 15.1 us vs 15.9 at 2 per SM); T >= 2 with 2-4 warps (gate_up
+    T=4: 33.9 us on 4 warps, 38.9 on 2)."""
     cfg = dict(default_tc_config(t, 0, 0))
     if not INTERPRET:
         if down:
             cfg = {"WN": 1, "KW": 1, "programs_per_sm": 8.0} if t == 1 else {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
         else:
-            cfg = {"WN": 2, "KW": 1, "programs_per_sm": 2.0} if t == 1 else {"WN": 4, "KW": 1, "programs_per_sm": 4.0}
+            cfg = {"WN": 2, "KW": 1, "programs_per_sm": 4.0} if t == 1 else {"WN": 4, "KW": 1, "programs_per_sm": 4.0}
     cfg.update(config or {})
     return cfg
 
@@ -538,6 +545,7 @@ def _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, count
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
         BF16=x.dtype == torch.bfloat16, SPLIT_K=split, SPLITP=max(4, next_pow2(split)), EMULATE=INTERPRET,
         QBLK=bool(cfg.get("qblk")), num_warps=cfg["WN"] * cfg["KW"], num_stages=1, **launch_options(cfg),
+        **pdl_options(x.device),
     )
     return act
 
@@ -560,5 +568,6 @@ def _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, confi
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
         BF16=act.dtype == torch.bfloat16, SPLIT_K=split, SPLITP=next_pow2(split), EMULATE=INTERPRET, **extra.flags(),
         QBLK=bool(cfg.get("qblk")), num_warps=cfg["WN"] * cfg["KW"], num_stages=1, **launch_options(cfg),
+        **pdl_options(act.device),
     )
     return out

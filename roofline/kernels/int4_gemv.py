@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..quant.int4 import unpack_cols, unpack_rows
-from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, reset, sum_splits
+from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, sum_splits, wait_for_inputs
 
 
 def int4_matmul_reference(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128) -> torch.Tensor:
@@ -211,8 +211,9 @@ def _int4_gemv_kernel(
     x_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KP_PER_SPLIT, MAGIC,
     GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr, SYM: tl.constexpr,
-    SPLIT_K, SPLITP: tl.constexpr, USE_MMA: tl.constexpr,
+    SPLIT_K, SPLITP: tl.constexpr, USE_MMA: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_offs = pid_n * BN + tl.arange(0, BN)
@@ -340,6 +341,6 @@ def int4_matmul(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128,
         x2, qweight, qzeros, scales, out, ws, cnt, m, n, k, kp_per_split, MAGIC,
         GROUP=group_size, BM=next_pow2(m), BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym), SPLIT_K=split, SPLITP=next_pow2(split),
         USE_MMA=bool(cfg.get("mma", False)),
-        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **pdl_options(x.device),
     )
     return out.reshape(*lead, n)

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, reset
+from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, wait_for_inputs
 
 GROUP = 128  # the path handles group size 128 (the published checkpoints); others use int4_gemv's lanes path
 
@@ -239,7 +239,7 @@ def lane_index(WN: tl.constexpr, KW: tl.constexpr):
 def tc_groups(
     x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, col2, N, g_start, g_end,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
-    EMULATE: tl.constexpr, GROUPS=1, QBLK: tl.constexpr = False,
+    EMULATE: tl.constexpr, GROUPS=1, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Partial products over quantisation groups [g_start, g_end) for up to 8 token rows.
 
@@ -253,6 +253,9 @@ def tc_groups(
     of KW (warp row kw takes group g0 + kw of each step). Returns (y0, y1) [L, 4] fp32, tokens 2t
     and 2t + 1 at column colbase + 32 wn + 4 g + v (sum the KW warp rows), and with DUAL the same
     pair for columns + col2 (the up half of gate_up), sharing the x loads.
+
+    PDL: wait for the previous kernel (`wait_for_inputs`) after the first step's weight loads and
+    before x's; callers whose weight addresses depend on its output wait before calling instead.
 
     Two steps per loop iteration with two register buffers (A, B): each buffer's next loads go out
     before the other's math, and no register is copied between iterations. Loads past the end
@@ -287,10 +290,6 @@ def tc_groups(
     qa1 = tl.load(qp + R4)
     qa2 = tl.load(qp + 2 * R4)
     qa3 = tl.load(qp + 3 * R4)
-    xa0 = tl.load(xp)
-    xa1 = tl.load(xp + 16)
-    xa2 = tl.load(xp + 32)
-    xa3 = tl.load(xp + 48)
     sa = tl.load(sp)
     ua0 = qa0
     ua1 = qa1
@@ -303,6 +302,11 @@ def tc_groups(
         ua2 = tl.load(qp + q2 + 2 * R4)
         ua3 = tl.load(qp + q2 + 3 * R4)
         sua = tl.load(sp + col2)
+    wait_for_inputs(PDL)  # the first step's weights are in flight; x comes from the previous kernel
+    xa0 = tl.load(xp)
+    xa1 = tl.load(xp + 16)
+    xa2 = tl.load(xp + 32)
+    xa3 = tl.load(xp + 48)
     for g0 in range(g_start, g_end, 2 * KW):
         # buffer B <- step g0 + KW, then the math of buffer A (step g0)
         ok_b = g0 + KW < g_end
@@ -388,7 +392,7 @@ def _gemv_tc_kernel(
     x32_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K2, GROUPS, GPS,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr,
-    SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr, QBLK: tl.constexpr = False,
+    SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -398,7 +402,7 @@ def _gemv_tc_kernel(
     g_start = pid_k * GPS
     g_end = tl.minimum(g_start + GPS, GROUPS)
     y0, y1, _, _ = tc_groups(x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, 0, N, g_start, g_end,
-                             WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK)
+                             WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, PDL)
     y0 = sum_warp_rows(y0, WN, KW)
     y1 = sum_warp_rows(y1, WN, KW)
     tok, col = out_index(colbase, WN)
@@ -492,6 +496,7 @@ def int4_matmul_tc(x: torch.Tensor, qweight, qzeros, scales, *, sym: bool, out=N
         WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym), BF16=x.dtype == torch.bfloat16, SPLIT_K=split,
         SPLITP=max(4, next_pow2(split)), EMULATE=None if cfg.get("probe_loads_only") else INTERPRET,
         QBLK=bool(cfg.get("qblk")), num_warps=cfg["WN"] * cfg["KW"], num_stages=1, **launch_options(cfg),
+        **pdl_options(x.device),
     )
     return out.reshape(*lead, n)
 
@@ -629,9 +634,21 @@ def simulate_group_asm(q, xr, sz, y, bf16: bool = True):
 # ------------------------------------------------------------------ layout check (compile only, no GPU)
 
 
+def pdl_problems(name: str, ptx: str, prefetch: bool) -> list[str]:
+    """What is wrong with a PDL kernel's PTX: the wait and the launch of dependents must be there, and with
+    `prefetch` global loads (the first weights) must be issued before the wait."""
+    wait = ptx.find("griddepcontrol.wait")
+    if wait < 0 or "griddepcontrol.launch_dependents" not in ptx:
+        return [f"{name}: no griddepcontrol wait/launch_dependents in the PTX"]
+    if prefetch and "ld.global" not in ptx[:wait]:
+        return [f"{name}: no weight load is issued before griddepcontrol.wait"]
+    return []
+
+
 def check_asm_layouts(target_arch: int = 90) -> list[str]:
     """Compile the tc kernels for `target_arch` (no GPU needed) and return a problem per inline-asm operand
-    layout that does not put the 32 lanes of each warp along the tile rows with the 4 columns in registers.
+    layout that does not put the 32 lanes of each warp along the tile rows with the 4 columns in registers,
+    and per kernel whose programmatic-dependent-launch code is missing or waits before its first weight loads.
 
     The asm reads mma fragments straight from registers, so it is only right when Triton lays the
     [L, 4] tiles out that way; Triton picks the layout (run 3a: a 5-D tile got another lane order
@@ -661,22 +678,23 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     gemv_sig = {"x32_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
                 "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K2": "i32", "GROUPS": "i32", "GPS": "i32", "WN": "constexpr",
                 "KW": "constexpr", "SYM": "constexpr", "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr",
-                "EMULATE": "constexpr", "QBLK": "constexpr"}
+                "EMULATE": "constexpr", "QBLK": "constexpr", "PDL": "constexpr"}
     expert_common = {"T": "i32", "GROUPS": "i32", "GPS": "i32", "QW_E": "i32", "QZ_E": "i32", "SC_E": "i32", "TOPK": "constexpr",
                      "TOPKP": "constexpr", "CH": "constexpr", "WN": "constexpr", "KW": "constexpr", "SYM": "constexpr",
-                     "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr", "QBLK": "constexpr"}
+                     "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr", "QBLK": "constexpr",
+                     "PDL": "constexpr"}
     gate_up_sig = {"x32_ptr": "*i32", "ids_ptr": "*i64", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "act_ptr": "*bf16",
                    "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", **expert_common}
     down_sig = {"act32_ptr": "*i32", "ids_ptr": "*i64", "wts_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16",
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "sh_ptr": "*bf16", "sg_ptr": "*bf16", "SG_STRIDE": "i32",
                 "res_ptr": "*bf16", "SHARED": "constexpr", "RESIDUAL": "constexpr", "I2": "i32", "H": "i32", **expert_common}
     cases = [("gemv", _gemv_tc_kernel, gemv_sig, {"WN": wn, "KW": kw, "SYM": sym, "BF16": True, "SPLITP": 4, "EMULATE": False,
-                                                  "QBLK": False})
+                                                  "QBLK": False, "PDL": True})
              for wn, kw, sym in [(4, 1, True), (4, 1, False), (2, 2, True)]]
     cases.append(("gemv qblk", _gemv_tc_kernel, gemv_sig,
-                  {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": True}))
+                  {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": True, "PDL": True}))
     cases += [(name, fn, sig, {"TOPK": 8, "TOPKP": 8, "CH": ch, "WN": wn, "KW": 1, "SYM": sym, "BF16": True, "SPLITP": 8,
-                               "EMULATE": False, "QBLK": qblk})
+                               "EMULATE": False, "QBLK": qblk, "PDL": True})
               for name, fn, sig in [("gate_up", _gate_up_tc_kernel, gate_up_sig), ("down", _down_tc_kernel, down_sig)]
               for wn, ch, sym, qblk in [(1, 1, True, False), (2, 4, False, False), (2, 1, True, True)]]
     for case in cases:  # the down kernel's epilogue as the fused MoE block runs it (shared expert and residual added)
@@ -691,6 +709,7 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
         compiled = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target,
                                   options={"num_warps": warps, "num_stages": 1})
         found = layouts(compiled.asm["ttgir"])
+        problems += pdl_problems(name, compiled.asm["ptx"], prefetch=name.startswith("gemv"))
         if not found:
             problems.append(f"{name} {consts}: no inline asm found")
         problems += [f"{name} {consts}: {lay}" for lay in found if not good(lay)]

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, decode_rows
+from ._common import INTERPRET, decode_rows, pdl_options, wait_for_inputs
 
 
 def int8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype=None) -> torch.Tensor:
@@ -34,7 +34,7 @@ def _x_part(x_ptr, row, h, lim, BH: tl.constexpr):
 @triton.jit
 def _int8_rows_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, V, H,
-    BM: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr,
+    BM: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     v = pid * BV + tl.arange(0, BV)
@@ -51,6 +51,7 @@ def _int8_rows_kernel(
     acc3 = tl.zeros([BV, BH // 16], dtype=tl.float32)
     w_rows = w_ptr + v.to(tl.int64)[:, None] * H
     w_next = tl.load(w_rows + hh[None, :], mask=v_mask[:, None] & (hh < H)[None, :], other=0)
+    wait_for_inputs(PDL)  # the first weight tile is in flight; x comes from the previous kernel
     for h0 in range(0, H, BH):
         w = w_next  # registers double-buffer the weight tile: the next one is in flight during this math
         hn = h0 + BH + hh
@@ -93,6 +94,6 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, o
     _int8_rows_kernel[(triton.cdiv(v, cfg["BV"]),)](
         x2, weight, scale.reshape(-1), out, m, v, h,
         BM=max(1, 1 << (m - 1).bit_length()), BV=cfg["BV"], BH=cfg["BH"],
-        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **pdl_options(x.device),
     )
     return out.reshape(*lead, v)

@@ -24,11 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import next_pow2, pdl_options, wait_for_inputs
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, D, eps, ADD: tl.constexpr, BD: tl.constexpr):
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, D, eps, ADD: tl.constexpr, BD: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BD)
     mask = d < D
@@ -47,7 +49,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     d = x.shape[-1]
     x2 = x.reshape(-1, d).contiguous()
     y = torch.empty_like(x2)
-    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, d, eps, ADD=False, BD=next_pow2(d))
+    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, d, eps, ADD=False, BD=next_pow2(d), **pdl_options(x.device))
     return y.view(x.shape)
 
 
@@ -56,12 +58,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     d = x.shape[-1]
     x2, r2 = x.reshape(-1, d).contiguous(), residual.reshape(-1, d).contiguous()
     h, y = torch.empty_like(x2), torch.empty_like(x2)
-    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, d, eps, ADD=True, BD=next_pow2(d))
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, d, eps, ADD=True, BD=next_pow2(d), **pdl_options(x.device))
     return h.view(x.shape), y.view(x.shape)
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, STRIDE, BI: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, I, STRIDE, BI: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BI + tl.arange(0, BI)
     mask = i < I
@@ -78,12 +81,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_mul wants rows of [gate | up] with unit stride, got {list(gate_up.shape)}")
     out = torch.empty(n, i2 // 2, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, next_pow2(i2 // 2))
-    _silu_mul_kernel[(n, triton.cdiv(i2 // 2, block))](gate_up, out, i2 // 2, gate_up.stride(0), BI=block)
+    _silu_mul_kernel[(n, triton.cdiv(i2 // 2, block))](gate_up, out, i2 // 2, gate_up.stride(0), BI=block,
+                                                    **pdl_options(gate_up.device))
     return out
 
 
 @triton.jit
-def _route_kernel(logits_ptr, experts_ptr, weights_ptr, E, STRIDE, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr):
+def _route_kernel(logits_ptr, experts_ptr, weights_ptr, E, STRIDE, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BE)
     mask = e < E
@@ -111,14 +117,16 @@ def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
         logits = logits.contiguous()
     experts = torch.empty(n, k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
-    _route_kernel[(n,)](logits, experts, weights, e, logits.stride(0), K=k, KP=next_pow2(k), BE=next_pow2(e))
+    _route_kernel[(n,)](logits, experts, weights, e, logits.stride(0), K=k, KP=next_pow2(k), BE=next_pow2(e),
+                        **pdl_options(logits.device))
     return experts, weights
 
 
 @triton.jit
 def _attention_prologue_kernel(qg_ptr, k_ptr, v_ptr, pos_ptr, kvpos_ptr, slot_ptr, qw_ptr, kw_ptr, inv_freq_ptr,
                                q_out_ptr, kc_ptr, vc_ptr, H, HKV, D, T_CAP, M, eps,
-                               ROT: tl.constexpr, BD: tl.constexpr):
+                               ROT: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)  # token row
     h = tl.program_id(1)  # 0..H-1: query heads; H..H+HKV-1: key (and value) heads
     pos = tl.load(pos_ptr + t)
@@ -174,6 +182,6 @@ def attention_prologue(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
         qg.contiguous(), k.contiguous(), v.contiguous(), positions, kv_positions, slots, q_norm_w, k_norm_w,
         inv_freq.to(qg.device),
         q, k_cache, v_cache, hq, hkv, d, k_cache.shape[1], tokens_per_seq, eps,
-        ROT=2 * inv_freq.numel(), BD=next_pow2(d),
+        ROT=2 * inv_freq.numel(), BD=next_pow2(d), **pdl_options(qg.device),
     )
     return q
