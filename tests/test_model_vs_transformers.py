@@ -43,6 +43,47 @@ def test_logits_match_transformers(tmp_path, moe, heads, nested, per_expert):
     assert_close(engine_logits(model, PROMPT), hf_logits(hf, PROMPT))
 
 
+def test_long_prompt_chunked_recurrence_matches_transformers(tmp_path):
+    """A 200-token prompt takes the chunked delta rule (DELTA_CHUNK), then decoding continues token by token
+    from its final state: logits as transformers computes them over the whole sequence."""
+    from roofline.model.layers import DELTA_CHUNK
+
+    cfg = text_config()
+    hf, mtp = reference_model(cfg, seed=3)
+    write_variant(hf, mtp, tmp_path / "ckpt", cfg=cfg)
+    model, _ = load_model(tmp_path / "ckpt", "cpu", torch.float32)
+    ids = torch.randint(0, cfg["vocab_size"], (203,), generator=torch.Generator().manual_seed(0))
+    assert len(ids) - 3 >= 3 * DELTA_CHUNK
+    cache = SequenceCache()
+    ours = [model.logits(model(ids[:-3], [len(ids) - 3], [cache]))]
+    ours += [model.logits(model(ids[i : i + 1], [1], [cache])) for i in range(len(ids) - 3, len(ids))]
+    assert_close(torch.cat(ours), hf_logits(hf, ids))
+
+
+def test_chunked_delta_rule_equals_the_token_loop():
+    """chunked_delta_rule against GatedDeltaNet.recurrence's loop: a starting state, a span that is not a
+    multiple of the chunk, strong and weak decay."""
+    import torch.nn.functional as F
+
+    from roofline.model.layers import chunked_delta_rule
+
+    g = torch.Generator().manual_seed(0)
+    t, h, dk, dv = 150, 3, 16, 8
+    q = F.normalize(torch.randn(t, h, dk, generator=g), dim=-1) * dk**-0.5
+    k = F.normalize(torch.randn(t, h, dk, generator=g), dim=-1)
+    v = torch.randn(t, h, dv, generator=g)
+    beta = torch.rand(t, h, generator=g)
+    decay = -torch.rand(t, h, generator=g) * torch.tensor([0.01, 1.0, 4.0])
+    state = torch.randn(h, dk, dv, generator=g) * 0.3
+    out, final = chunked_delta_rule(q, k, v, beta, decay, state.clone(), chunk=32)
+    for i in range(t):
+        state = state * decay[i].exp()[:, None, None]
+        delta = (v[i] - torch.einsum("hkv,hk->hv", state, k[i])) * beta[i][:, None]
+        state = state + k[i][:, :, None] * delta[:, None, :]
+        assert_close(out[i], torch.einsum("hkv,hk->hv", state, q[i]), tol=1e-5)
+    assert_close(final, state, tol=1e-5)
+
+
 @pytest.mark.parametrize("plan", [INT4_PLAN, FP8_PLAN], ids=["int4", "fp8"])
 def test_quantized_checkpoint_matches_dequantized_model(tmp_path, plan):
     cfg = text_config()

@@ -214,6 +214,10 @@ class GatedDeltaNet(nn.Module):
         state = cache.recurrent.get(self.layer_idx)
         if state is None:
             state = mixed.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
+        if t >= DELTA_CHUNK and not cache.record_steps:  # prefill: the same recurrence in chunks of matmuls
+            out, state = chunked_delta_rule(q, k, v, beta.float(), decay.float(), state)
+            cache.set_recurrent(self.layer_idx, state)
+            return out
         out = torch.empty(t, self.num_v_heads, self.v_dim, dtype=torch.float32, device=mixed.device)
         gate = decay.exp()
         history = []
@@ -235,6 +239,42 @@ class GatedDeltaNet(nn.Module):
         normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)).to(core.dtype)
         gated = (self.norm.weight * normed).float() * F.silu(z.view(n, self.num_v_heads, self.v_dim).float())
         return gated.to(core.dtype).reshape(n, self.value_size)
+
+
+DELTA_CHUNK = 64  # spans this long or longer take chunked_delta_rule (~10x faster on a CPU than the token loop)
+
+
+def chunked_delta_rule(q, k, v, beta, decay, state, chunk: int = DELTA_CHUNK):
+    """GatedDeltaNet.recurrence's token loop for a whole span, `chunk` tokens at a time, in fp32.
+
+    q, k [T, H, dk] (normalised and scaled as the loop has them), v [T, H, dv], beta and decay (log
+    of the gate) [T, H], state [H, dk, dv]. Returns (out [T, H, dv], final state). The chunked form of
+    the gated delta rule (the UT transform of DeltaNet, as fla's chunked kernel and transformers'
+    torch_chunk_gated_delta_rule compute it): within a chunk the updates become one triangular
+    solve and a few matmuls; only the chunks are sequential. Padded positions carry beta = 0 and
+    no decay, so they leave the state unchanged.
+    """
+    t, h = q.shape[:2]
+    pad = (-t) % chunk
+    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)).reshape(h, -1, chunk, x.shape[-1]) for x in (q, k, v))
+    beta, decay = (F.pad(x.t(), (0, pad)).reshape(h, -1, chunk) for x in (beta, decay))
+    cum = decay.cumsum(-1)  # log of the gate product from the chunk's start, [H, N, C]
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(future, float("-inf")).exp()  # gate from j to i <= j
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * pair  # unit lower-triangular once its diagonal is taken as 1
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    state_keys = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    within = (q @ k.transpose(-1, -2)) * pair
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_gate = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    out = torch.empty_like(new_values)
+    for i in range(q.shape[1]):
+        v_new = new_values[:, i] - state_keys[:, i] @ state
+        out[:, i] = q_decayed[:, i] @ state + within[:, i] @ v_new
+        state = state * chunk_gate[:, i] + k_to_end[:, i].transpose(-1, -2) @ v_new
+    return out.reshape(h, -1, out.shape[-1])[:, :t].transpose(0, 1).contiguous(), state
 
 
 class MLP(nn.Module):
