@@ -170,10 +170,11 @@ def breakdown_ms(run: SyntheticRun, context: int, repeats: int) -> dict[str, flo
     return totals
 
 
-def kernel_profile(replay, steps: int = 5, first: int = 80) -> dict:
+def kernel_profile(replay, overlapped: bool, steps: int = 5, first: int = 80) -> dict:
     """The kernels one replay of a captured step runs, from the CUDA profiler: per kernel name the launches and
     device time per step, their sum against the step's wall time (the difference is launch gaps), and the first
-    `first` kernels of one step in order with the idle time before each."""
+    `first` kernels of one step in order with the idle time before each. `overlapped`: the kernels ran with
+    programmatic dependent launch, so each one's time includes its wait for the previous kernel."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -200,8 +201,10 @@ def kernel_profile(replay, steps: int = 5, first: int = 80) -> dict:
     table = sorted(({"name": n[:80], "launches": len(t) / steps, "us": sum(t) / steps} for n, t in by_name.items()),
                    key=lambda row: -row["us"])
     return {"kernels_per_step": per_step, "kernel_us_per_step": busy, "span_us_per_step": span,
-            "by_kernel": table, "first_kernels": order,
-            "note": "kernel times from the CUDA profiler over graph replays; span - kernel time = idle gaps"}
+            "by_kernel": table, "first_kernels": order, "programmatic_dependent_launch": overlapped,
+            "note": "kernel times from the CUDA profiler over graph replays; span - kernel time = idle gaps" + (
+                "; with programmatic dependent launch the kernels overlap: each time includes the wait for the previous "
+                "kernel and the sum exceeds the span (ROOFLINE_PDL=0 gives a per-kernel breakdown)" if overlapped else "")}
 
 
 DRAFT_VOCAB = 32768  # a draft LM head over the first 32K token ids (the acceptance it keeps is not measured here)
@@ -313,7 +316,7 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                               "note": "each component captured alone over all layers; rest = whole step - their sum"}
     if profile:
         buf = run.graphs.run([1], [run.cache], 1)
-        result["kernel_profile"] = kernel_profile(buf.graph.replay)
+        result["kernel_profile"] = kernel_profile(buf.graph.replay, "programmatic dependent launch" in fast.installed)
         kp = result["kernel_profile"]
         progress(f"profile: {kp.get('kernels_per_step', 0):.0f} kernels per step, "
                  f"{kp.get('kernel_us_per_step', 0) / 1e3:.3f} ms busy in a {kp.get('span_us_per_step', 0) / 1e3:.3f} ms span")
@@ -357,7 +360,9 @@ def format_report(r: dict) -> str:
     if "by_kernel" in r.get("kernel_profile", {}):
         kp = r["kernel_profile"]
         lines += ["", f"Kernels per step (profiler): {kp['kernels_per_step']:.0f} launches, {kp['kernel_us_per_step'] / 1e3:.3f} ms "
-                      f"busy in a {kp['span_us_per_step'] / 1e3:.3f} ms span", "| kernel | launches/step | us/step |", "|---|---|---|"]
+                      f"busy in a {kp['span_us_per_step'] / 1e3:.3f} ms span"
+                  + (" (overlapping under programmatic dependent launch: times include each kernel's wait)"
+                     if kp.get("programmatic_dependent_launch") else ""), "| kernel | launches/step | us/step |", "|---|---|---|"]
         lines += [f"| {k['name']} | {k['launches']:.0f} | {k['us']:.1f} |" for k in kp["by_kernel"][:25]]
     lines.append(f"\npeak GPU memory {r['peak_memory_bytes'] / 2**30:.1f} GiB (cache pool for {r['capacity_tokens']} tokens: "
                  f"{r['pool_bytes'] / 2**30:.2f} GiB)")

@@ -80,15 +80,12 @@ def _fp8_gemv_kernel(
 
 
 def default_config(m: int) -> dict:
-    """Measured on the H200 (benchmarks/NOTES-kernels.md): 8-row tiles; at one row on one warp with more splits
-    (run 4: shared gate_up 6.9 us vs 7.6 on 2 warps), from two rows on 2 warps."""
+    """Measured on the H200 (benchmarks/NOTES-kernels.md, run 5): 8-row x 128 tiles on one warp, ~16 programs per
+    SM, at 1 and 4 rows (shared gate_up 6.7 / 8.6 us against 9.4 / 11.0 on 2 warps at 4 per SM); wider tiles along
+    K (256, 512) were no faster."""
     if INTERPRET:
         return {"BN": 16, "BK": 32, "num_warps": 1}
-    if m >= 3:
-        return {"BN": 8, "BK": 128, "num_warps": 2}
-    if m == 1:
-        return {"BN": 8, "BK": 128, "num_warps": 1, "programs_per_sm": 16.0}
-    return {"BN": 8, "BK": 128, "num_warps": 2, "programs_per_sm": 8.0}
+    return {"BN": 8, "BK": 128, "num_warps": 1, "programs_per_sm": 16.0}
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, block=(128, 128), *, out=None,
