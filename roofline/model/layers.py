@@ -241,7 +241,7 @@ class GatedDeltaNet(nn.Module):
         return gated.to(core.dtype).reshape(n, self.value_size)
 
 
-DELTA_CHUNK = 64  # spans this long or longer take chunked_delta_rule (~10x faster on a CPU than the token loop)
+DELTA_CHUNK = 64  # spans this long or longer take chunked_delta_rule (a 1K span on a CPU: 0.18 s vs 1.0 s for the loop)
 
 
 def chunked_delta_rule(q, k, v, beta, decay, state, chunk: int = DELTA_CHUNK):
