@@ -405,7 +405,7 @@ def _gate_up_tc_kernel(
     T, K2, I, GROUPS, GPS, QW_E, QZ_E, SC_E,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
-    QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
+    QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
 ):
     wait_for_inputs(PDL)  # which weights to read comes from the router's output
     pid_n = tl.program_id(0)
@@ -422,7 +422,7 @@ def _gate_up_tc_kernel(
         g_start = pid_k * GPS
         g_end = tl.minimum(g_start + GPS, GROUPS)
         g0, g1, u0, u1 = tc_groups(x32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E, colbase,
-                                   I, 2 * I, g_start, g_end, WN, KW, SYM, BF16, True, EMULATE, GROUPS, QBLK)
+                                   I, 2 * I, g_start, g_end, WN, KW, SYM, BF16, True, EMULATE, GROUPS, QBLK, DEPTH=DEPTH)
         g0 = sum_warp_rows(g0, WN, KW)  # chunk row 2t
         g1 = sum_warp_rows(g1, WN, KW)  # chunk row 2t + 1
         u0 = sum_warp_rows(u0, WN, KW)
@@ -467,6 +467,7 @@ def _down_tc_kernel(
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
     SHARED: tl.constexpr, RESIDUAL: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
+    DEPTH: tl.constexpr = 2,
 ):
     wait_for_inputs(PDL)
     BN: tl.constexpr = 32 * WN
@@ -484,7 +485,7 @@ def _down_tc_kernel(
         g_start = pid_k * GPS
         g_end = tl.minimum(g_start + GPS, GROUPS)
         y0, y1, _, _ = tc_groups(act32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E,
-                                 colbase, 0, H, g_start, g_end, WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK)
+                                 colbase, 0, H, g_start, g_end, WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, DEPTH=DEPTH)
         y0 = sum_warp_rows(y0, WN, KW)
         y1 = sum_warp_rows(y1, WN, KW)
         row0, row1, m0, m1, col = _tc_out_rows(tok, choice, routed, colbase, WN, CH, TOPK)

@@ -236,10 +236,44 @@ def lane_index(WN: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
+def _load_weights(qp, sp, q2, col2, R4, mask, DUAL: tl.constexpr):
+    """One k-step's weight words (4 [L, 4] tensors) and scales, and with DUAL the up half's (else aliases)."""
+    q0 = tl.load(qp, mask=mask)
+    q1 = tl.load(qp + R4, mask=mask)
+    q2_ = tl.load(qp + 2 * R4, mask=mask)
+    q3 = tl.load(qp + 3 * R4, mask=mask)
+    s = tl.load(sp, mask=mask)
+    if DUAL:
+        return (q0, q1, q2_, q3, s, tl.load(qp + q2, mask=mask), tl.load(qp + q2 + R4, mask=mask),
+                tl.load(qp + q2 + 2 * R4, mask=mask), tl.load(qp + q2 + 3 * R4, mask=mask), tl.load(sp + col2, mask=mask))
+    else:
+        return q0, q1, q2_, q3, s, q0, q1, q2_, q3, s
+
+
+@triton.jit
+def _load_x(xp, mask):
+    """One k-step's x words, [L, 4] x 4."""
+    return tl.load(xp, mask=mask), tl.load(xp + 16, mask=mask), tl.load(xp + 32, mask=mask), tl.load(xp + 48, mask=mask)
+
+
+@triton.jit
+def _step_math(q0, q1, q2, q3, s, u0, u1, u2, u3, su, x0, x1, x2, x3, grp, qz_ptr, col, col2, N, y0, y1, w0, w1,
+               MB: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr, L: tl.constexpr,
+               EMULATE: tl.constexpr):
+    """One k-step (group grp of each warp row) into (y0, y1) and with DUAL the up half into (w0, w1)."""
+    y0, y1 = _group_math(q0, q1, q2, q3, x0, x1, x2, x3, s.to(tl.float32), _neg_bias(grp, qz_ptr, col, N, MB, SYM),
+                         y0, y1, MB, BF16, L, EMULATE)
+    if DUAL:
+        w0, w1 = _group_math(u0, u1, u2, u3, x0, x1, x2, x3, su.to(tl.float32),
+                             _neg_bias(grp, qz_ptr, col + col2, N, MB, SYM), w0, w1, MB, BF16, L, EMULATE)
+    return y0, y1, w0, w1
+
+
+@triton.jit
 def tc_groups(
     x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, col2, N, g_start, g_end,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
-    EMULATE: tl.constexpr, GROUPS=1, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
+    EMULATE: tl.constexpr, GROUPS=1, QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
 ):
     """Partial products over quantisation groups [g_start, g_end) for up to 8 token rows.
 
@@ -254,12 +288,16 @@ def tc_groups(
     and 2t + 1 at column colbase + 32 wn + 4 g + v (sum the KW warp rows), and with DUAL the same
     pair for columns + col2 (the up half of gate_up), sharing the x loads.
 
-    PDL: wait for the previous kernel (`wait_for_inputs`) after the first step's weight loads and
+    PDL: wait for the previous kernel (`wait_for_inputs`) after the first steps' weight loads and
     before x's; callers whose weight addresses depend on its output wait before calling instead.
 
-    Two steps per loop iteration with two register buffers (A, B): each buffer's next loads go out
-    before the other's math, and no register is copied between iterations. Loads past the end
-    are masked off (no fill value: their registers are never used).
+    Load pipeline: DEPTH (2 or 4) steps of weights in flight per warp, in a ring of register
+    buffers A..D (the loop takes DEPTH steps an iteration; each buffer is reloaded DEPTH steps ahead
+    right after its math, no register copies). x, an L2/L1 hit shared by every program, is loaded one
+    step ahead only (two buffers): in flight for the whole ring it would take as many registers as
+    the weights (16 words a lane a step) and halve the weight bytes a warp can have in flight (the
+    load-bound kernel's limit, run 4). Loads past the end are masked off (no fill value: their
+    registers are never used).
     """
     MB: tl.constexpr = 128.0 if BF16 else 1024.0
     L: tl.constexpr = 32 * WN * KW
@@ -286,87 +324,53 @@ def tc_groups(
     y1 = tl.zeros([L, 4], dtype=tl.float32)
     u0 = tl.zeros([L, 4], dtype=tl.float32)
     u1 = tl.zeros([L, 4], dtype=tl.float32)
-    qa0 = tl.load(qp)
-    qa1 = tl.load(qp + R4)
-    qa2 = tl.load(qp + 2 * R4)
-    qa3 = tl.load(qp + 3 * R4)
-    sa = tl.load(sp)
-    ua0 = qa0
-    ua1 = qa1
-    ua2 = qa2
-    ua3 = qa3
-    sua = sa
-    if DUAL:
-        ua0 = tl.load(qp + q2)
-        ua1 = tl.load(qp + q2 + R4)
-        ua2 = tl.load(qp + q2 + 2 * R4)
-        ua3 = tl.load(qp + q2 + 3 * R4)
-        sua = tl.load(sp + col2)
-    wait_for_inputs(PDL)  # the first step's weights are in flight; x comes from the previous kernel
-    xa0 = tl.load(xp)
-    xa1 = tl.load(xp + 16)
-    xa2 = tl.load(xp + 32)
-    xa3 = tl.load(xp + 48)
-    for g0 in range(g_start, g_end, 2 * KW):
-        # buffer B <- step g0 + KW, then the math of buffer A (step g0)
-        ok_b = g0 + KW < g_end
-        mb = (g0 + KW + kw) < g_end  # [L, 1] (the interpreter wants tensor masks)
-        qp += QSTEP
-        xp += XSTEP
-        sp += SSTEP
-        qb0 = tl.load(qp, mask=mb)
-        qb1 = tl.load(qp + R4, mask=mb)
-        qb2 = tl.load(qp + 2 * R4, mask=mb)
-        qb3 = tl.load(qp + 3 * R4, mask=mb)
-        xb0 = tl.load(xp, mask=mb)
-        xb1 = tl.load(xp + 16, mask=mb)
-        xb2 = tl.load(xp + 32, mask=mb)
-        xb3 = tl.load(xp + 48, mask=mb)
-        sb = tl.load(sp, mask=mb)
-        ub0 = qb0
-        ub1 = qb1
-        ub2 = qb2
-        ub3 = qb3
-        sub = sb
-        if DUAL:
-            ub0 = tl.load(qp + q2, mask=mb)
-            ub1 = tl.load(qp + q2 + R4, mask=mb)
-            ub2 = tl.load(qp + q2 + 2 * R4, mask=mb)
-            ub3 = tl.load(qp + q2 + 3 * R4, mask=mb)
-            sub = tl.load(sp + col2, mask=mb)
-        ga = g0 + kw
-        y0, y1 = _group_math(qa0, qa1, qa2, qa3, xa0, xa1, xa2, xa3, sa.to(tl.float32),
-                             _neg_bias(ga, qz_ptr, col, N, MB, SYM), y0, y1, MB, BF16, L, EMULATE)
-        if DUAL:
-            u0, u1 = _group_math(ua0, ua1, ua2, ua3, xa0, xa1, xa2, xa3, sua.to(tl.float32),
-                                 _neg_bias(ga, qz_ptr, col + col2, N, MB, SYM), u0, u1, MB, BF16, L, EMULATE)
-        # buffer A <- step g0 + 2 KW, then the math of buffer B
-        ma = (g0 + 2 * KW + kw) < g_end
-        qp += QSTEP
-        xp += XSTEP
-        sp += SSTEP
-        qa0 = tl.load(qp, mask=ma)
-        qa1 = tl.load(qp + R4, mask=ma)
-        qa2 = tl.load(qp + 2 * R4, mask=ma)
-        qa3 = tl.load(qp + 3 * R4, mask=ma)
-        xa0 = tl.load(xp, mask=ma)
-        xa1 = tl.load(xp + 16, mask=ma)
-        xa2 = tl.load(xp + 32, mask=ma)
-        xa3 = tl.load(xp + 48, mask=ma)
-        sa = tl.load(sp, mask=ma)
-        if DUAL:
-            ua0 = tl.load(qp + q2, mask=ma)
-            ua1 = tl.load(qp + q2 + R4, mask=ma)
-            ua2 = tl.load(qp + q2 + 2 * R4, mask=ma)
-            ua3 = tl.load(qp + q2 + 3 * R4, mask=ma)
-            sua = tl.load(sp + col2, mask=ma)
-        if ok_b:
-            gb = g0 + KW + kw
-            y0, y1 = _group_math(qb0, qb1, qb2, qb3, xb0, xb1, xb2, xb3, sb.to(tl.float32),
-                                 _neg_bias(gb, qz_ptr, col, N, MB, SYM), y0, y1, MB, BF16, L, EMULATE)
-            if DUAL:
-                u0, u1 = _group_math(ub0, ub1, ub2, ub3, xb0, xb1, xb2, xb3, sub.to(tl.float32),
-                                     _neg_bias(gb, qz_ptr, col + col2, N, MB, SYM), u0, u1, MB, BF16, L, EMULATE)
+    qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua = _load_weights(qp, sp, q2, col2, R4, grp < g_end, DUAL)
+    qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub = _load_weights(qp + QSTEP, sp + SSTEP, q2, col2, R4,
+                                                                    grp + KW < g_end, DUAL)
+    if DEPTH == 4:
+        qc0, qc1, qc2, qc3, sc, uc0, uc1, uc2, uc3, suc = _load_weights(qp + 2 * QSTEP, sp + 2 * SSTEP, q2, col2, R4,
+                                                                        grp + 2 * KW < g_end, DUAL)
+        qd0, qd1, qd2, qd3, sd, ud0, ud1, ud2, ud3, sud = _load_weights(qp + 3 * QSTEP, sp + 3 * SSTEP, q2, col2, R4,
+                                                                        grp + 3 * KW < g_end, DUAL)
+    wait_for_inputs(PDL)  # the first steps' weights are in flight; x comes from the previous kernel
+    xa0, xa1, xa2, xa3 = _load_x(xp, grp < g_end)
+    RING_Q = DEPTH * QSTEP
+    RING_S = DEPTH * SSTEP
+    for g0 in range(g_start, g_end, DEPTH * KW):
+        ga = g0 + kw  # [L, 1] group of each warp row in block A's step; B, C, D follow at + KW each
+        # block A (step g0, always present): x of the next step, the math, the buffer refilled DEPTH steps ahead
+        xb0, xb1, xb2, xb3 = _load_x(xp + XSTEP, ga + KW < g_end)
+        y0, y1, u0, u1 = _step_math(qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua, xa0, xa1, xa2, xa3, ga, qz_ptr,
+                                    col, col2, N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE)
+        qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua = _load_weights(qp + RING_Q, sp + RING_S, q2, col2, R4,
+                                                                        ga + DEPTH * KW < g_end, DUAL)
+        # block B (step g0 + KW)
+        xa0, xa1, xa2, xa3 = _load_x(xp + 2 * XSTEP, ga + 2 * KW < g_end)
+        if g0 + KW < g_end:
+            y0, y1, u0, u1 = _step_math(qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub, xb0, xb1, xb2, xb3, ga + KW,
+                                        qz_ptr, col, col2, N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE)
+        qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub = _load_weights(qp + QSTEP + RING_Q, sp + SSTEP + RING_S, q2,
+                                                                        col2, R4, ga + (DEPTH + 1) * KW < g_end, DUAL)
+        if DEPTH == 4:
+            # block C (step g0 + 2 KW)
+            xb0, xb1, xb2, xb3 = _load_x(xp + 3 * XSTEP, ga + 3 * KW < g_end)
+            if g0 + 2 * KW < g_end:
+                y0, y1, u0, u1 = _step_math(qc0, qc1, qc2, qc3, sc, uc0, uc1, uc2, uc3, suc, xa0, xa1, xa2, xa3,
+                                            ga + 2 * KW, qz_ptr, col, col2, N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L,
+                                            EMULATE)
+            qc0, qc1, qc2, qc3, sc, uc0, uc1, uc2, uc3, suc = _load_weights(
+                qp + 2 * QSTEP + RING_Q, sp + 2 * SSTEP + RING_S, q2, col2, R4, ga + 6 * KW < g_end, DUAL)
+            # block D (step g0 + 3 KW)
+            xa0, xa1, xa2, xa3 = _load_x(xp + 4 * XSTEP, ga + 4 * KW < g_end)
+            if g0 + 3 * KW < g_end:
+                y0, y1, u0, u1 = _step_math(qd0, qd1, qd2, qd3, sd, ud0, ud1, ud2, ud3, sud, xb0, xb1, xb2, xb3,
+                                            ga + 3 * KW, qz_ptr, col, col2, N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L,
+                                            EMULATE)
+            qd0, qd1, qd2, qd3, sd, ud0, ud1, ud2, ud3, sud = _load_weights(
+                qp + 3 * QSTEP + RING_Q, sp + 3 * SSTEP + RING_S, q2, col2, R4, ga + 7 * KW < g_end, DUAL)
+        qp += RING_Q
+        sp += RING_S
+        xp += DEPTH * XSTEP
     return y0, y1, u0, u1
 
 
@@ -393,6 +397,7 @@ def _gemv_tc_kernel(
     M, N, K2, GROUPS, GPS,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr,
     SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
+    DEPTH: tl.constexpr = 2,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -402,7 +407,7 @@ def _gemv_tc_kernel(
     g_start = pid_k * GPS
     g_end = tl.minimum(g_start + GPS, GROUPS)
     y0, y1, _, _ = tc_groups(x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, 0, N, g_start, g_end,
-                             WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, PDL)
+                             WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, PDL, DEPTH)
     y0 = sum_warp_rows(y0, WN, KW)
     y1 = sum_warp_rows(y1, WN, KW)
     tok, col = out_index(colbase, WN)
@@ -517,8 +522,12 @@ def repack_blocks(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def launch_options(cfg: dict) -> dict:
-    """Extra Triton launch options a config may carry (maxnreg: cap registers per thread for occupancy)."""
-    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not INTERPRET else {}
+    """The pipeline depth (config "depth": weight steps in flight per warp, 2 or 4) and extra Triton launch
+    options a config may carry (maxnreg: cap registers per thread for occupancy)."""
+    depth = cfg.get("depth", 2)
+    if depth not in (2, 4):
+        raise ValueError(f"int4 tensor-core config: depth must be 2 or 4, got {depth!r}")
+    return {"DEPTH": depth, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not INTERPRET else {})}
 
 
 # ------------------------------------------------------------------ lane-level check of the PTX
@@ -678,25 +687,26 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     gemv_sig = {"x32_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
                 "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K2": "i32", "GROUPS": "i32", "GPS": "i32", "WN": "constexpr",
                 "KW": "constexpr", "SYM": "constexpr", "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr",
-                "EMULATE": "constexpr", "QBLK": "constexpr", "PDL": "constexpr"}
+                "EMULATE": "constexpr", "QBLK": "constexpr", "PDL": "constexpr", "DEPTH": "constexpr"}
     expert_common = {"T": "i32", "GROUPS": "i32", "GPS": "i32", "QW_E": "i32", "QZ_E": "i32", "SC_E": "i32", "TOPK": "constexpr",
                      "TOPKP": "constexpr", "CH": "constexpr", "WN": "constexpr", "KW": "constexpr", "SYM": "constexpr",
                      "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr", "QBLK": "constexpr",
-                     "PDL": "constexpr"}
+                     "PDL": "constexpr", "DEPTH": "constexpr"}
     gate_up_sig = {"x32_ptr": "*i32", "ids_ptr": "*i64", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "act_ptr": "*bf16",
                    "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", **expert_common}
     down_sig = {"act32_ptr": "*i32", "ids_ptr": "*i64", "wts_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16",
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "sh_ptr": "*bf16", "sg_ptr": "*bf16", "SG_STRIDE": "i32",
                 "res_ptr": "*bf16", "SHARED": "constexpr", "RESIDUAL": "constexpr", "I2": "i32", "H": "i32", **expert_common}
     cases = [("gemv", _gemv_tc_kernel, gemv_sig, {"WN": wn, "KW": kw, "SYM": sym, "BF16": True, "SPLITP": 4, "EMULATE": False,
-                                                  "QBLK": False, "PDL": True})
-             for wn, kw, sym in [(4, 1, True), (4, 1, False), (2, 2, True)]]
-    cases.append(("gemv qblk", _gemv_tc_kernel, gemv_sig,
-                  {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": True, "PDL": True}))
+                                                  "QBLK": False, "PDL": True, "DEPTH": depth})
+             for wn, kw, sym, depth in [(4, 1, True, 2), (4, 1, False, 2), (2, 2, True, 2), (4, 1, True, 4)]]
+    cases.append(("gemv qblk", _gemv_tc_kernel, gemv_sig, {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 4,
+                                                           "EMULATE": False, "QBLK": True, "PDL": True, "DEPTH": 2}))
     cases += [(name, fn, sig, {"TOPK": 8, "TOPKP": 8, "CH": ch, "WN": wn, "KW": 1, "SYM": sym, "BF16": True, "SPLITP": 8,
-                               "EMULATE": False, "QBLK": qblk, "PDL": True})
+                               "EMULATE": False, "QBLK": qblk, "PDL": True, "DEPTH": depth})
               for name, fn, sig in [("gate_up", _gate_up_tc_kernel, gate_up_sig), ("down", _down_tc_kernel, down_sig)]
-              for wn, ch, sym, qblk in [(1, 1, True, False), (2, 4, False, False), (2, 1, True, True)]]
+              for wn, ch, sym, qblk, depth in [(1, 1, True, False, 2), (2, 4, False, False, 2), (2, 1, True, True, 2),
+                                               (2, 1, True, False, 4)]]
     for case in cases:  # the down kernel's epilogue as the fused MoE block runs it (shared expert and residual added)
         if case[0] == "down":
             case[3].update(SHARED=True, RESIDUAL=True)
