@@ -8,6 +8,7 @@
 # SEED (data stream; use a new one when continuing), BATCH, WORKERS, LR, MIX (task mix),
 # FACTS_START / FACTS_RAMP (recall curriculum of the short rows: max facts grows from FACTS_START to
 # 120 over FACTS_RAMP chunks of ~300 rows), EXTRA (more train.py flags, they win over the above),
+# GDN (train.py --gdn, default roofline; transformers for its own torch_chunk_gated_delta_rule),
 # FLA=1 to try fla-core's kernels from the wheel carried
 # in .carry/train-whl (carry=[".carry/train-whl"]). fla-core 0.6.0 refuses the backward pass on
 # Hopper with Triton < 3.7.1 (the GPU machine has 3.6: wrong results, fla issue #640), so FLA is
@@ -21,6 +22,7 @@ OUT=${OUT:-/tmp/out}
 TOTAL=${TOTAL:-360}
 INIT=${INIT:-roofline/models/tiny}
 FLA=${FLA:-0}
+GDN=${GDN:-roofline}  # train.py --gdn: roofline's chunked gated delta rule, or transformers' (set when fla passes)
 SEED=${SEED:-3}
 BATCH=${BATCH:-32}
 WORKERS=${WORKERS:-13}
@@ -31,7 +33,7 @@ FACTS_RAMP=${FACTS_RAMP:-60}
 mkdir -p "$OUT"
 if [ "$FLA" = 1 ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/train-whl/*.whl; then
   export PYTHONPATH=/tmp/site
-  timeout 100 python3 -m training.gpu_check || { echo "fla check failed: training without fla"; unset PYTHONPATH; }
+  if timeout 100 python3 -m training.gpu_check; then GDN=transformers; else echo "fla check failed: training without fla"; unset PYTHONPATH; fi
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>/dev/null
 
@@ -43,7 +45,7 @@ train() {  # $1 = batch
     --time-budget "$TB" --hard-limit "$HL" --batch "$1" --row-len 1280 --max-facts 120 \
     --long-row-len 2560 --long-every 6 --long-max-facts 230 --facts-start "$FACTS_START" --facts-ramp "$FACTS_RAMP" \
     --workers "$WORKERS" --save-every 500 --lr "$LR" --warmup 60 --lr-floor 0.05 --w-answer 3 --log-every 100 \
-    --mix "$MIX" --no-eval $EXTRA
+    --mix "$MIX" --gdn "$GDN" --no-eval $EXTRA
 }
 
 train "$BATCH"

@@ -91,6 +91,63 @@ def quantisable_input_dims(cfg: dict) -> dict:
     }
 
 
+# ------------------------------------------------------------------ gated delta rule for training
+
+TRANSFORMERS_GDN = qm.torch_chunk_gated_delta_rule  # transformers' own, whatever it resolved to at import
+
+
+def roofline_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
+                                    output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                                    **kwargs):
+    """Drop-in for transformers' torch_chunk_gated_delta_rule (same arguments, shapes and result),
+    computed by roofline's chunked_delta_rule: one batched triangular solve for all chunks instead of
+    transformers 5.17's row-by-row forward substitution (63 small steps per chunk size 64), and a chunk
+    loop of 4 matmuls a chunk; far fewer ops to dispatch per training step. fp32 inside, as transformers
+    casts; autocast is switched off inside so that the matmuls stay fp32 (under bf16 autocast transformers'
+    matmuls run in bf16). query, key [B, T, Hk, dk], value [B, T, Hv, dv], g (log decay), beta [B, T, Hv]."""
+    from roofline.model.layers import chunked_delta_rule
+
+    dtype = query.dtype
+    with torch.autocast(query.device.type, enabled=False):
+        q, k, v, g, beta = (x.float() for x in (query, key, value, g, beta))
+        if use_qk_l2norm_in_kernel:  # transformers' (and fla's) l2norm: x / sqrt(sum x^2 + 1e-6)
+            q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+            k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q = q * q.shape[-1] ** -0.5
+        rep = v.shape[-2] // k.shape[-2]  # each key head serves `rep` consecutive value heads
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
+        b, _, h, dk = k.shape
+        state = (torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=v.device) if initial_state is None
+                 else initial_state.float())
+        out, state = chunked_delta_rule(q, k, v, beta, g, state, chunk=chunk_size)
+    return out.to(dtype), (state if output_final_state else None)
+
+
+def set_gdn(modules, impl: str) -> int:
+    """impl: 'roofline' (roofline_chunk_gated_delta_rule) or 'transformers' (what transformers resolved
+    at import: its torch function, or fla's kernel if it found fla). Sets transformers' module-level
+    function (what 5.24's GatedDeltaNet.forward calls, and what modules built later bind) and the
+    chunk_gated_delta_rule attribute that 5.17's GatedDeltaNet binds in __init__ (its original is kept on
+    the module for 'transformers'). Returns the number of GatedDeltaNet modules found."""
+    if impl not in ("roofline", "transformers"):
+        raise ValueError(f"unknown gated delta rule implementation {impl!r}")
+    qm.torch_chunk_gated_delta_rule = roofline_chunk_gated_delta_rule if impl == "roofline" else TRANSFORMERS_GDN
+    n = 0
+    for root in modules:
+        for m in root.modules():
+            if type(m).__name__ != "Qwen3_5MoeGatedDeltaNet":
+                continue
+            n += 1
+            if "chunk_gated_delta_rule" in m.__dict__:  # bound at construction (transformers <= 5.17 or so)
+                if "_transformers_gdn" not in m.__dict__:
+                    bound = m.chunk_gated_delta_rule
+                    m._transformers_gdn = TRANSFORMERS_GDN if bound is roofline_chunk_gated_delta_rule else bound
+                m.chunk_gated_delta_rule = (roofline_chunk_gated_delta_rule if impl == "roofline"
+                                            else m._transformers_gdn)
+    return n
+
+
 def make_text_config(cfg: dict) -> Qwen3_5MoeTextConfig:
     kw = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "dtype", "transformers_version")}
     return Qwen3_5MoeTextConfig(**kw)

@@ -40,7 +40,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from training.data import generate_docs, pack  # noqa: E402
-from training.model import build_model, save_checkpoint, tiny_config_dict  # noqa: E402
+from training.model import build_model, save_checkpoint, set_gdn, tiny_config_dict  # noqa: E402
 
 TINY = REPO / "roofline" / "models" / "tiny"
 
@@ -178,6 +178,8 @@ def train(args, cfg, rows_ids, rows_mask, steps, device, fh, bench=False, stream
         model, mtp = build_model(cfg, args.seed)
     n_exp = set_experts([model, mtp], args.experts)
     log(f"experts: {args.experts} ({n_exp} expert modules)", fh)
+    n_gdn = set_gdn([model, mtp], args.gdn)
+    log(f"gated delta rule: {args.gdn} ({n_gdn} GatedDeltaNet modules)", fh)
     model.to(device).train()
     mtp.to(device).train()
     opt = make_optimizer(model, mtp, args.lr, args.wd)
@@ -514,6 +516,10 @@ def main(argv=None):
     ap.add_argument("--experts", default="dense", choices=["dense", "eager"],
                     help="training forward of the routed experts: dense (all experts, routing-weighted, no host "
                          "syncs) or transformers' eager per-expert loop; saved checkpoints are the same either way")
+    ap.add_argument("--gdn", default="roofline", choices=["roofline", "transformers"],
+                    help="chunked gated delta rule in training: roofline (training/model.py's "
+                         "roofline_chunk_gated_delta_rule: one triangular solve per chunk batch, fp32, far fewer ops) "
+                         "or transformers' own (torch_chunk_gated_delta_rule, or fla's kernel if it found fla)")
     ap.add_argument("--stream", action="store_true",
                     help="generate rows in background workers while training (fresh data every step); "
                          "with --time-budget and no --steps the learning-rate schedule follows the clock")

@@ -247,18 +247,27 @@ DELTA_CHUNK = 64  # spans this long or longer take chunked_delta_rule (a 1K span
 def chunked_delta_rule(q, k, v, beta, decay, state, chunk: int = DELTA_CHUNK):
     """GatedDeltaNet.recurrence's token loop for a whole span, `chunk` tokens at a time, in fp32.
 
-    q, k [T, H, dk] (normalised and scaled as the loop has them), v [T, H, dv], beta and decay (log
-    of the gate) [T, H], state [H, dk, dv]. Returns (out [T, H, dv], final state). The chunked form of
-    the gated delta rule (the UT transform of DeltaNet, as fla's chunked kernel and transformers'
+    q, k [..., T, H, dk] (normalised and scaled as the loop has them), v [..., T, H, dv], beta and
+    decay (log of the gate) [..., T, H], state [..., H, dk, dv]; the leading dims (none for the
+    engine, a batch for training/model.py's stand-in for transformers' torch_chunk_gated_delta_rule)
+    are carried through. Returns (out [..., T, H, dv], final state). The chunked form of the gated
+    delta rule (the UT transform of DeltaNet, as fla's chunked kernel and transformers'
     torch_chunk_gated_delta_rule compute it): within a chunk the updates become one triangular
     solve and a few matmuls; only the chunks are sequential. Padded positions carry beta = 0 and
-    no decay, so they leave the state unchanged.
+    no decay, so they leave the state unchanged. Differentiable (training uses it): the chunk loop
+    unbinds its inputs and stacks its outputs once, so that autograd does not answer each chunk's
+    slice with a gradient the size of the whole tensor.
     """
-    t, h = q.shape[:2]
+    t = q.shape[-3]
     pad = (-t) % chunk
-    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)).reshape(h, -1, chunk, x.shape[-1]) for x in (q, k, v))
-    beta, decay = (F.pad(x.t(), (0, pad)).reshape(h, -1, chunk) for x in (beta, decay))
-    cum = decay.cumsum(-1)  # log of the gate product from the chunk's start, [H, N, C]
+
+    def chunked(x):  # [..., T, H, d] -> [..., H, N, C, d]
+        x = F.pad(x.transpose(-3, -2), (0, 0, 0, pad))
+        return x.reshape(*x.shape[:-2], -1, chunk, x.shape[-1])
+
+    q, k, v = chunked(q), chunked(k), chunked(v)
+    beta, decay = (F.pad(x.transpose(-1, -2), (0, pad)).unflatten(-1, (-1, chunk)) for x in (beta, decay))
+    cum = decay.cumsum(-1)  # log of the gate product from the chunk's start, [..., H, N, C]
     future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(future, float("-inf")).exp()  # gate from j to i <= j
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
@@ -267,14 +276,16 @@ def chunked_delta_rule(q, k, v, beta, decay, state, chunk: int = DELTA_CHUNK):
     state_keys = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
     within = (q @ k.transpose(-1, -2)) * pair
     q_decayed = q * cum.exp()[..., None]
-    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_gate = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
-    out = torch.empty_like(new_values)
-    for i in range(q.shape[1]):
-        v_new = new_values[:, i] - state_keys[:, i] @ state
-        out[:, i] = q_decayed[:, i] @ state + within[:, i] @ v_new
-        state = state * chunk_gate[:, i] + k_to_end[:, i].transpose(-1, -2) @ v_new
-    return out.reshape(h, -1, out.shape[-1])[:, :t].transpose(0, 1).contiguous(), state
+    k_to_end = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)
+    chunk_gate = cum[..., -1].exp()[..., None, None]  # [..., H, N, 1, 1]
+    outs = []
+    for nv, sk, qd, w, kt, cg in zip(*(x.unbind(-3) for x in (new_values, state_keys, q_decayed, within, k_to_end,
+                                                             chunk_gate))):
+        v_new = nv - sk @ state
+        outs.append(qd @ state + w @ v_new)
+        state = state * cg + kt @ v_new
+    out = torch.stack(outs, -3).flatten(-3, -2)[..., :t, :]  # [..., H, T, dv]
+    return out.transpose(-3, -2).contiguous(), state
 
 
 class MLP(nn.Module):
