@@ -178,10 +178,6 @@ def bench_int4_dense(b: Bench, quick: bool):
                              for wn, kw, pps, reg in [(4, 1, 4, 0), (4, 1, 2, 0), (4, 1, 8, 0), (2, 1, 8, 0), (8, 1, 4, 0),
                                                       (4, 1, 4, 96), (2, 2, 4, 0)][: 7 if m == 1 else 2]]
                     cfgs.append(("probe: tc loads only, no math, WN4 pps4", {"tc": True, "WN": 4, "KW": 1, "probe_loads_only": True}))
-                    cfgs += [(f"tc WN{wn} pps{pps} depth4", {"tc": True, "WN": wn, "KW": 1, "programs_per_sm": pps, "depth": 4})
-                             for wn, pps in [(4, 2), (4, 3), (4, 4), (2, 6), (2, 8)]]
-                    cfgs.append(("probe: tc loads only, depth4 WN4 pps3",
-                                 {"tc": True, "WN": 4, "KW": 1, "programs_per_sm": 3, "depth": 4, "probe_loads_only": True}))
                     cfgs.append(("tc qblk (repacked weights) WN4 pps4", {"tc": True, "WN": 4, "KW": 1, "qblk": True}))
                 b.try_configs("int4_gemv", shape, nbytes, make, cfgs)
             t = median_us(make(None))
@@ -240,8 +236,6 @@ def bench_experts(b: Bench, quick: bool):
                           {"tc": True, "WN": wn, "KW": kw, "programs_per_sm": pps, **({"maxnreg": reg} if reg else {})})
                          for wn, kw, pps, reg in [(2, 1, 4, 0), (4, 1, 4, 0), (2, 1, 2, 0), (1, 1, 8, 0), (2, 1, 8, 0),
                                                   (1, 1, 16, 0), (4, 1, 2, 0)][: 7 if t_tokens == 1 else 3]]
-                cfgs += [(f"tc WN{wn} pps{pps} depth4", {"tc": True, "WN": wn, "KW": 1, "programs_per_sm": pps, "depth": 4})
-                         for wn, pps in [(1, 8), (2, 4), (2, 3), (4, 2)]]
                 cfgs.append(("tc qblk (repacked weights), its default config", {"tc": True, "qblk": True}))
             b.try_configs("experts_gate_up", shape_gu, gu_total, make_gu, cfgs)
             b.try_configs("experts_down", shape_dn, dn_total, make_dn, cfgs)

@@ -13,6 +13,7 @@ at the same time on different streams must not share counters: pass each its own
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -22,7 +23,19 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-_COUNTERS: dict[tuple[str, str], torch.Tensor] = {}
+_COUNTERS: dict[tuple[str, str, str], torch.Tensor] = {}
+_SPACES = [""]  # the innermost `counter_space`
+
+
+@contextlib.contextmanager
+def counter_space(name: str):
+    """Inside the block, `counters_for` hands out buffers of their own: for kernels launched on a second stream
+    (the MoE's shared expert beside the routed experts) while the same kernels run on the main stream."""
+    _SPACES.append(name)
+    try:
+        yield
+    finally:
+        _SPACES.pop()
 
 
 def new_counters(size: int, device) -> torch.Tensor:
@@ -32,7 +45,7 @@ def new_counters(size: int, device) -> torch.Tensor:
 
 def counters_for(user: str, size: int, device: torch.device) -> torch.Tensor:
     """The default counter buffer of one kernel (`user`) on `device`, grown as needed."""
-    key = (user, str(device))
+    key = (user, str(device), _SPACES[-1])
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < size:
         if torch.cuda.is_available() and torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():

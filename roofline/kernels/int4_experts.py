@@ -405,7 +405,7 @@ def _gate_up_tc_kernel(
     T, K2, I, GROUPS, GPS, QW_E, QZ_E, SC_E,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
-    QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
+    QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)  # which weights to read comes from the router's output
     pid_n = tl.program_id(0)
@@ -422,7 +422,7 @@ def _gate_up_tc_kernel(
         g_start = pid_k * GPS
         g_end = tl.minimum(g_start + GPS, GROUPS)
         g0, g1, u0, u1 = tc_groups(x32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E, colbase,
-                                   I, 2 * I, g_start, g_end, WN, KW, SYM, BF16, True, EMULATE, GROUPS, QBLK, DEPTH=DEPTH)
+                                   I, 2 * I, g_start, g_end, WN, KW, SYM, BF16, True, EMULATE, GROUPS, QBLK)
         g0 = sum_warp_rows(g0, WN, KW)  # chunk row 2t
         g1 = sum_warp_rows(g1, WN, KW)  # chunk row 2t + 1
         u0 = sum_warp_rows(u0, WN, KW)
@@ -467,7 +467,6 @@ def _down_tc_kernel(
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
     SHARED: tl.constexpr, RESIDUAL: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
-    DEPTH: tl.constexpr = 2,
 ):
     wait_for_inputs(PDL)
     BN: tl.constexpr = 32 * WN
@@ -485,7 +484,7 @@ def _down_tc_kernel(
         g_start = pid_k * GPS
         g_end = tl.minimum(g_start + GPS, GROUPS)
         y0, y1, _, _ = tc_groups(act32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E,
-                                 colbase, 0, H, g_start, g_end, WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, DEPTH=DEPTH)
+                                 colbase, 0, H, g_start, g_end, WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK)
         y0 = sum_warp_rows(y0, WN, KW)
         y1 = sum_warp_rows(y1, WN, KW)
         row0, row1, m0, m1, col = _tc_out_rows(tok, choice, routed, colbase, WN, CH, TOPK)
@@ -503,14 +502,14 @@ def _down_tc_kernel(
 
 def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
     """H200 sweeps: down at T=1 fastest with 1-warp programs, 8 per SM (run 3a: 9.9 us vs 11.6 on 2 warps);
-    gate_up at T=1 on 2 warps, 4 per SM (run 4: 15.1 us vs 15.9 at 2 per SM); T >= 2 with 2-4 warps (gate_up
-    T=4: 33.9 us on 4 warps, 38.9 on 2)."""
+    gate_up on 2 warps, 4 per SM (run 4, T=1: 15.1 us vs 15.9 at 2 per SM; run 7, T=4, with x loaded one step
+    ahead: 28.6 us vs 32.3 on 4 warps); down at T >= 2 on 2 warps."""
     cfg = dict(default_tc_config(t, 0, 0))
     if not INTERPRET:
         if down:
             cfg = {"WN": 1, "KW": 1, "programs_per_sm": 8.0} if t == 1 else {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
         else:
-            cfg = {"WN": 2, "KW": 1, "programs_per_sm": 4.0} if t == 1 else {"WN": 4, "KW": 1, "programs_per_sm": 4.0}
+            cfg = {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
     cfg.update(config or {})
     return cfg
 

@@ -273,7 +273,7 @@ def _step_math(q0, q1, q2, q3, s, u0, u1, u2, u3, su, x0, x1, x2, x3, grp, qz_pt
 def tc_groups(
     x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, col2, N, g_start, g_end,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
-    EMULATE: tl.constexpr, GROUPS=1, QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
+    EMULATE: tl.constexpr, GROUPS=1, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Partial products over quantisation groups [g_start, g_end) for up to 8 token rows.
 
@@ -291,13 +291,14 @@ def tc_groups(
     PDL: wait for the previous kernel (`wait_for_inputs`) after the first steps' weight loads and
     before x's; callers whose weight addresses depend on its output wait before calling instead.
 
-    Load pipeline: DEPTH (2 or 4) steps of weights in flight per warp, in a ring of register
-    buffers A..D (the loop takes DEPTH steps an iteration; each buffer is reloaded DEPTH steps ahead
-    right after its math, no register copies). x, an L2/L1 hit shared by every program, is loaded one
-    step ahead only (two buffers): in flight for the whole ring it would take as many registers as
-    the weights (16 words a lane a step) and halve the weight bytes a warp can have in flight (the
-    load-bound kernel's limit, run 4). Loads past the end are masked off (no fill value: their
-    registers are never used).
+    Load pipeline: two steps of weights in flight per warp, in two register buffers A and B (the
+    loop takes two steps an iteration; each buffer is reloaded two steps ahead right after its math,
+    no register copies). x, an L2/L1 hit shared by every program, is loaded one step ahead only: in
+    flight with its weights it took as many registers as they do (16 words a lane a step; 124
+    registers a thread for the GEMV against 96 now). H200 run 7: in_proj_qkv M=1 9.1 us (was 11.9),
+    out_proj 9.0 (9.6), experts down 8.5 (9.1). Four weight steps in flight (a ring of four buffers,
+    145 registers) were slower in every configuration swept (11.5-11.9 us): fewer programs fit per
+    SM. Loads past the end are masked off (no fill value: their registers are never used).
     """
     MB: tl.constexpr = 128.0 if BF16 else 1024.0
     L: tl.constexpr = 32 * WN * KW
@@ -327,50 +328,26 @@ def tc_groups(
     qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua = _load_weights(qp, sp, q2, col2, R4, grp < g_end, DUAL)
     qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub = _load_weights(qp + QSTEP, sp + SSTEP, q2, col2, R4,
                                                                     grp + KW < g_end, DUAL)
-    if DEPTH == 4:
-        qc0, qc1, qc2, qc3, sc, uc0, uc1, uc2, uc3, suc = _load_weights(qp + 2 * QSTEP, sp + 2 * SSTEP, q2, col2, R4,
-                                                                        grp + 2 * KW < g_end, DUAL)
-        qd0, qd1, qd2, qd3, sd, ud0, ud1, ud2, ud3, sud = _load_weights(qp + 3 * QSTEP, sp + 3 * SSTEP, q2, col2, R4,
-                                                                        grp + 3 * KW < g_end, DUAL)
     wait_for_inputs(PDL)  # the first steps' weights are in flight; x comes from the previous kernel
     xa0, xa1, xa2, xa3 = _load_x(xp, grp < g_end)
-    RING_Q = DEPTH * QSTEP
-    RING_S = DEPTH * SSTEP
-    for g0 in range(g_start, g_end, DEPTH * KW):
-        ga = g0 + kw  # [L, 1] group of each warp row in block A's step; B, C, D follow at + KW each
-        # block A (step g0, always present): x of the next step, the math, the buffer refilled DEPTH steps ahead
+    for g0 in range(g_start, g_end, 2 * KW):
+        ga = g0 + kw  # [L, 1] group of each warp row in buffer A's step; B's is + KW
+        # buffer A (step g0, always present): x of the next step, the math, the buffer refilled two steps ahead
         xb0, xb1, xb2, xb3 = _load_x(xp + XSTEP, ga + KW < g_end)
         y0, y1, u0, u1 = _step_math(qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua, xa0, xa1, xa2, xa3, ga, qz_ptr,
                                     col, col2, N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE)
-        qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua = _load_weights(qp + RING_Q, sp + RING_S, q2, col2, R4,
-                                                                        ga + DEPTH * KW < g_end, DUAL)
-        # block B (step g0 + KW)
+        qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua = _load_weights(qp + 2 * QSTEP, sp + 2 * SSTEP, q2, col2, R4,
+                                                                        ga + 2 * KW < g_end, DUAL)
+        # buffer B (step g0 + KW)
         xa0, xa1, xa2, xa3 = _load_x(xp + 2 * XSTEP, ga + 2 * KW < g_end)
         if g0 + KW < g_end:
             y0, y1, u0, u1 = _step_math(qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub, xb0, xb1, xb2, xb3, ga + KW,
                                         qz_ptr, col, col2, N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE)
-        qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub = _load_weights(qp + QSTEP + RING_Q, sp + SSTEP + RING_S, q2,
-                                                                        col2, R4, ga + (DEPTH + 1) * KW < g_end, DUAL)
-        if DEPTH == 4:
-            # block C (step g0 + 2 KW)
-            xb0, xb1, xb2, xb3 = _load_x(xp + 3 * XSTEP, ga + 3 * KW < g_end)
-            if g0 + 2 * KW < g_end:
-                y0, y1, u0, u1 = _step_math(qc0, qc1, qc2, qc3, sc, uc0, uc1, uc2, uc3, suc, xa0, xa1, xa2, xa3,
-                                            ga + 2 * KW, qz_ptr, col, col2, N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L,
-                                            EMULATE)
-            qc0, qc1, qc2, qc3, sc, uc0, uc1, uc2, uc3, suc = _load_weights(
-                qp + 2 * QSTEP + RING_Q, sp + 2 * SSTEP + RING_S, q2, col2, R4, ga + 6 * KW < g_end, DUAL)
-            # block D (step g0 + 3 KW)
-            xa0, xa1, xa2, xa3 = _load_x(xp + 4 * XSTEP, ga + 4 * KW < g_end)
-            if g0 + 3 * KW < g_end:
-                y0, y1, u0, u1 = _step_math(qd0, qd1, qd2, qd3, sd, ud0, ud1, ud2, ud3, sud, xb0, xb1, xb2, xb3,
-                                            ga + 3 * KW, qz_ptr, col, col2, N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L,
-                                            EMULATE)
-            qd0, qd1, qd2, qd3, sd, ud0, ud1, ud2, ud3, sud = _load_weights(
-                qp + 3 * QSTEP + RING_Q, sp + 3 * SSTEP + RING_S, q2, col2, R4, ga + 7 * KW < g_end, DUAL)
-        qp += RING_Q
-        sp += RING_S
-        xp += DEPTH * XSTEP
+        qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub = _load_weights(qp + 3 * QSTEP, sp + 3 * SSTEP, q2, col2, R4,
+                                                                        ga + 3 * KW < g_end, DUAL)
+        qp += 2 * QSTEP
+        sp += 2 * SSTEP
+        xp += 2 * XSTEP
     return y0, y1, u0, u1
 
 
@@ -397,7 +374,6 @@ def _gemv_tc_kernel(
     M, N, K2, GROUPS, GPS,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr,
     SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
-    DEPTH: tl.constexpr = 2,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -407,7 +383,7 @@ def _gemv_tc_kernel(
     g_start = pid_k * GPS
     g_end = tl.minimum(g_start + GPS, GROUPS)
     y0, y1, _, _ = tc_groups(x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, 0, N, g_start, g_end,
-                             WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, PDL, DEPTH)
+                             WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, PDL)
     y0 = sum_warp_rows(y0, WN, KW)
     y1 = sum_warp_rows(y1, WN, KW)
     tok, col = out_index(colbase, WN)
@@ -522,12 +498,8 @@ def repack_blocks(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def launch_options(cfg: dict) -> dict:
-    """The pipeline depth (config "depth": weight steps in flight per warp, 2 or 4) and extra Triton launch
-    options a config may carry (maxnreg: cap registers per thread for occupancy)."""
-    depth = cfg.get("depth", 2)
-    if depth not in (2, 4):
-        raise ValueError(f"int4 tensor-core config: depth must be 2 or 4, got {depth!r}")
-    return {"DEPTH": depth, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not INTERPRET else {})}
+    """Extra Triton launch options a config may carry (maxnreg: cap registers per thread for occupancy)."""
+    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not INTERPRET else {}
 
 
 # ------------------------------------------------------------------ lane-level check of the PTX
@@ -687,26 +659,25 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     gemv_sig = {"x32_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
                 "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K2": "i32", "GROUPS": "i32", "GPS": "i32", "WN": "constexpr",
                 "KW": "constexpr", "SYM": "constexpr", "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr",
-                "EMULATE": "constexpr", "QBLK": "constexpr", "PDL": "constexpr", "DEPTH": "constexpr"}
+                "EMULATE": "constexpr", "QBLK": "constexpr", "PDL": "constexpr"}
     expert_common = {"T": "i32", "GROUPS": "i32", "GPS": "i32", "QW_E": "i32", "QZ_E": "i32", "SC_E": "i32", "TOPK": "constexpr",
                      "TOPKP": "constexpr", "CH": "constexpr", "WN": "constexpr", "KW": "constexpr", "SYM": "constexpr",
                      "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr", "QBLK": "constexpr",
-                     "PDL": "constexpr", "DEPTH": "constexpr"}
+                     "PDL": "constexpr"}
     gate_up_sig = {"x32_ptr": "*i32", "ids_ptr": "*i64", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "act_ptr": "*bf16",
                    "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", **expert_common}
     down_sig = {"act32_ptr": "*i32", "ids_ptr": "*i64", "wts_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16",
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "sh_ptr": "*bf16", "sg_ptr": "*bf16", "SG_STRIDE": "i32",
                 "res_ptr": "*bf16", "SHARED": "constexpr", "RESIDUAL": "constexpr", "I2": "i32", "H": "i32", **expert_common}
     cases = [("gemv", _gemv_tc_kernel, gemv_sig, {"WN": wn, "KW": kw, "SYM": sym, "BF16": True, "SPLITP": 4, "EMULATE": False,
-                                                  "QBLK": False, "PDL": True, "DEPTH": depth})
-             for wn, kw, sym, depth in [(4, 1, True, 2), (4, 1, False, 2), (2, 2, True, 2), (4, 1, True, 4)]]
-    cases.append(("gemv qblk", _gemv_tc_kernel, gemv_sig, {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 4,
-                                                           "EMULATE": False, "QBLK": True, "PDL": True, "DEPTH": 2}))
+                                                  "QBLK": False, "PDL": True})
+             for wn, kw, sym in [(4, 1, True), (4, 1, False), (2, 2, True)]]
+    cases.append(("gemv qblk", _gemv_tc_kernel, gemv_sig,
+                  {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": True, "PDL": True}))
     cases += [(name, fn, sig, {"TOPK": 8, "TOPKP": 8, "CH": ch, "WN": wn, "KW": 1, "SYM": sym, "BF16": True, "SPLITP": 8,
-                               "EMULATE": False, "QBLK": qblk, "PDL": True, "DEPTH": depth})
+                               "EMULATE": False, "QBLK": qblk, "PDL": True})
               for name, fn, sig in [("gate_up", _gate_up_tc_kernel, gate_up_sig), ("down", _down_tc_kernel, down_sig)]
-              for wn, ch, sym, qblk, depth in [(1, 1, True, False, 2), (2, 4, False, False, 2), (2, 1, True, True, 2),
-                                               (2, 1, True, False, 4)]]
+              for wn, ch, sym, qblk in [(1, 1, True, False), (2, 4, False, False), (2, 1, True, True)]]
     for case in cases:  # the down kernel's epilogue as the fused MoE block runs it (shared expert and residual added)
         if case[0] == "down":
             case[3].update(SHARED=True, RESIDUAL=True)
