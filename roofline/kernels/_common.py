@@ -27,6 +27,39 @@ _COUNTERS: dict[tuple[str, str, str], torch.Tensor] = {}
 _SPACES = [""]  # the innermost `counter_space`
 
 
+# Small decode kernels are bound by latency, not bandwidth: two independent chains of them finish
+# sooner side by side. `beside` launches one chain on a second stream (one per device), forked from
+# the current stream and joined back before its result is used; under CUDA-graph capture the graph
+# gets two branches. Used for the MoE's shared expert (beside the router and the routed gate_up)
+# and the GDN's b/a projection (beside in_proj_qkv+z). ROOFLINE_SECOND_STREAM=0 keeps one stream.
+SECOND_STREAM = os.environ.get("ROOFLINE_SECOND_STREAM", "1") != "0"
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def second_stream(device) -> torch.cuda.Stream | None:
+    """The second stream of `device`, or None (not CUDA, or opted out)."""
+    device = torch.device(device)
+    if not SECOND_STREAM or device.type != "cuda" or INTERPRET:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = torch.cuda.Stream(index)
+    return _STREAMS[index]
+
+
+def beside(device, fn, *args):
+    """fn(*args) launched on the second stream, forked from the current one (or here, without one); returns
+    (result, join): call join() before the current stream uses the result."""
+    side = second_stream(device)
+    if side is None:
+        return fn(*args), lambda: None
+    main = torch.cuda.current_stream(side.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side), counter_space("second stream"):
+        out = fn(*args)
+    return out, lambda: main.wait_stream(side)
+
+
 @contextlib.contextmanager
 def counter_space(name: str):
     """Inside the block, `counters_for` hands out buffers of their own: for kernels launched on a second stream

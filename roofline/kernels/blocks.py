@@ -10,10 +10,7 @@ Same math as `DecoderLayer.forward` and `SparseMoE.forward`, rounded where they 
   softmax / top-k in one kernel, the routed experts' gate_up, the shared expert (3), then the
   routed experts' down kernel, which also adds sigmoid(gate) * shared and the residual
   (`experts_down`'s epilogue): 7 launches where the model code runs ~16. On CUDA the shared expert's
-  3 launches go to a second stream, forked after the norm and joined before the down kernel, so they
-  run beside the router and the routed gate_up (in the captured graph: two branches). These small
-  kernels are bound by latency, not bandwidth, so running them side by side hides one chain's time.
-  ROOFLINE_SHARED_STREAM=0 keeps them on one stream.
+  3 launches run on a second stream beside the router and the routed gate_up (`_common.beside`).
 
 Installed by `dispatch.install_fast_path` with the fused small ops; more rows (prefill) run the
 model's own code.
@@ -21,27 +18,12 @@ model's own code.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..model.layers import MLP, DecoderLayer, SparseMoE
-from ._common import counter_space
+from ._common import beside
 from .dispatch import MAX_DECODE_ROWS, row_count
 from .small_ops import add_rms_norm, route_top_k, silu_mul
-
-SHARED_STREAM = os.environ.get("ROOFLINE_SHARED_STREAM", "1") != "0"
-_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def shared_expert_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The second stream the shared expert runs on (one per device), or None (not CUDA, or opted out)."""
-    if not SHARED_STREAM or device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _STREAMS:
-        _STREAMS[index] = torch.cuda.Stream(index)
-    return _STREAMS[index]
 
 
 def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,19 +33,12 @@ def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residu
         return out if residual is None else residual + out
     from .int4_experts import experts_down, experts_gate_up
 
-    side = shared_expert_stream(x.device)
-    if side is not None:  # fork: the shared expert beside the router and the routed gate_up
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side), counter_space("shared expert stream"):
-            shared_out = moe.shared_expert(x).contiguous()
+    shared_out, join = beside(x.device, lambda: moe.shared_expert(x).contiguous())
     logits, gate_logit = moe.merged["router"](x)
     experts, weights = route_top_k(logits, moe.top_k)
     gate_up, down = moe.experts.gate_up, moe.experts.down
     act = experts_gate_up(x, experts, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size, sym=syms[0])
-    if side is None:
-        shared_out = moe.shared_expert(x).contiguous()
-    else:  # join
-        torch.cuda.current_stream(x.device).wait_stream(side)
+    join()
     return experts_down(act, experts, weights, down.qweight, down.qzeros, down.scales, down.group_size, sym=syms[1],
                         shared=shared_out, shared_gate=gate_logit,
                         residual=None if residual is None else residual.contiguous())

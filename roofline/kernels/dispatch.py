@@ -251,13 +251,13 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
     if device.type == "cuda":
         from ._common import PDL_ENABLED, pdl_supported
 
-        from .blocks import SHARED_STREAM
+        from ._common import SECOND_STREAM
 
-        if installed["fused moe block"]:
-            if SHARED_STREAM:
-                installed["shared expert on a second stream"] += 1
-            else:
-                log.info("the MoE's shared expert runs on the main stream: ROOFLINE_SHARED_STREAM=0")
+        if SECOND_STREAM:
+            installed["second stream (MoE shared expert, GDN b/a)"] += 1
+        else:
+            log.info("decode kernels on one stream (the MoE's shared expert and the GDN's b/a not beside the rest): "
+                     "ROOFLINE_SECOND_STREAM=0")
         if pdl_supported(device):
             installed["programmatic dependent launch"] += 1
         else:

@@ -18,6 +18,7 @@ import torch
 
 from ..engine.cache import SequenceCache
 from ..model.layers import GatedAttention, GatedDeltaNet, SlotBatch
+from ._common import beside
 from .decode_attention import decode_attention
 from .gdn_decode import gdn_decode
 
@@ -49,8 +50,9 @@ def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch,
 
 def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
     step_states, step_conv = (batch.rollback or {}).get(gdn.layer_idx, (None, None))
+    (b, a), join = beside(x.device, gdn.merged["b_a"], x)  # the small b/a projection beside the big one
     qkv, z = gdn.merged["qkv_z"](x)  # each pair one launch where its formats agree (merge.py)
-    b, a = gdn.merged["b_a"](x)
+    join()
     core = gdn_decode(
         qkv, z, b, a,
         batch.pool.conv[gdn.layer_idx], gdn.conv1d.weight, gdn.A_log, gdn.dt_bias, gdn.norm.weight,
