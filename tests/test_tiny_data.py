@@ -297,3 +297,10 @@ def test_config_is_the_real_architecture_in_miniature():
         assert dim % 128 == 0, what
     t_vocab = json.loads((TINY / "tokenizer.json").read_text())
     assert cfg["vocab_size"] >= len(t_vocab["model"]["vocab"]) + len(t_vocab["added_tokens"])
+
+
+def test_quant_compare_pairs_the_same_prompts():
+    from training.quant_compare import paired
+
+    got = paired([True, True, False, False, True], [True, False, True, False, False])
+    assert got == {"bf16": 0.6, "quantised": 0.4, "n": 5, "both": 1, "bf16_only": 2, "quantised_only": 1}
