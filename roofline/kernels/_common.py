@@ -8,7 +8,11 @@ zero for the next call. One launch, no memset, safe to capture in a CUDA graph.
 
 The counters live in a zero-initialised int32 buffer per (device, user). Two launches that run
 at the same time on different streams must not share counters: pass each its own buffer
-(`new_counters`) where kernels run concurrently.
+(`new_counters`), or launch one of them inside `counter_space` (what `beside` does for the
+second stream).
+
+Also here: programmatic dependent launch (`pdl_options`, `wait_for_inputs`) and the second
+stream (`beside`).
 """
 
 from __future__ import annotations

@@ -249,9 +249,7 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
     if FUSED_SMALL_OPS:
         _install_blocks(model, installed)
     if device.type == "cuda":
-        from ._common import PDL_ENABLED, pdl_supported
-
-        from ._common import SECOND_STREAM
+        from ._common import PDL_ENABLED, SECOND_STREAM, pdl_supported
 
         if SECOND_STREAM:
             installed["second stream (MoE shared expert, GDN b/a)"] += 1
