@@ -105,14 +105,13 @@ def roofline_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int 
     loop of 4 matmuls a chunk; far fewer ops to dispatch per training step. fp32 inside, as transformers
     casts; autocast is switched off inside so that the matmuls stay fp32 (under bf16 autocast transformers'
     matmuls run in bf16). query, key [B, T, Hk, dk], value [B, T, Hv, dv], g (log decay), beta [B, T, Hv]."""
-    from roofline.model.layers import chunked_delta_rule
+    from roofline.model.layers import chunked_delta_rule, l2_normalize
 
     dtype = query.dtype
     with torch.autocast(query.device.type, enabled=False):
         q, k, v, g, beta = (x.float() for x in (query, key, value, g, beta))
-        if use_qk_l2norm_in_kernel:  # transformers' (and fla's) l2norm: x / sqrt(sum x^2 + 1e-6)
-            q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-            k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        if use_qk_l2norm_in_kernel:  # the engine's l2 norm is transformers' (and fla's): x / sqrt(sum x^2 + 1e-6)
+            q, k = l2_normalize(q), l2_normalize(k)
         q = q * q.shape[-1] ** -0.5
         rep = v.shape[-2] // k.shape[-2]  # each key head serves `rep` consecutive value heads
         if rep > 1:
