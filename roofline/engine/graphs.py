@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kernels.dispatch import MAX_EXPERT_TOKENS
@@ -28,16 +29,47 @@ def _bucket(n: int, cap: int) -> int:
     return min(cap, 1 << max(0, n - 1).bit_length())
 
 
+class StepInputs:
+    """The step's integer inputs as views of one device buffer, filled from one (pinned) host buffer by one copy.
+
+    Why: six small copies from pageable memory, each from a new tensor, cost ~0.1-0.3 ms of host time per
+    token while the GPU waited (5-10% of a 4 ms H200 step). Layout: int64 ids, positions, kv_positions
+    ([B*M] each), then int32 slots, lengths, kv_slots ([B] each) in the same bytes.
+    """
+
+    def __init__(self, b: int, m: int, device: torch.device):
+        rows, n32 = b * m, 3 * b
+        size = 3 * rows + (n32 + 1) // 2
+        self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
+        self.copied = torch.cuda.Event() if pinned else None  # the last copy out of `host`
+        h64 = self.host.numpy()
+        h32 = h64[3 * rows :].view(np.int32)
+        self.ids_h, self.positions_h, self.kv_positions_h = h64[:rows], h64[rows : 2 * rows], h64[2 * rows : 3 * rows]
+        self.slots_h, self.lengths_h, self.kv_slots_h = h32[:b], h32[b : 2 * b], h32[2 * b : n32]
+        d32 = self.device_buffer[3 * rows :].view(torch.int32)
+        self.ids, self.positions, self.kv_positions = self.device_buffer[:rows], self.device_buffer[rows : 2 * rows], \
+            self.device_buffer[2 * rows : 3 * rows]
+        self.slots, self.lengths, self.kv_slots = d32[:b], d32[b : 2 * b], d32[2 * b : n32]
+
+    def writable(self) -> "StepInputs":
+        """Wait until the previous copy has read the host buffer (normally long done: the caller read its results)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self
+
+    def upload(self) -> None:
+        self.device_buffer.copy_(self.host, non_blocking=self.copied is not None)
+        if self.copied is not None:
+            self.copied.record()
+
+
 @dataclass
 class StepBuffers:
     """Static inputs and outputs of one bucket's graph."""
 
-    ids: torch.Tensor  # [B*M]
-    slots: torch.Tensor  # [B]
-    positions: torch.Tensor  # [B*M]
-    lengths: torch.Tensor  # [B]
-    kv_slots: torch.Tensor  # [B]
-    kv_positions: torch.Tensor  # [B*M]
+    inputs: StepInputs
     rollback: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
     hidden_in: torch.Tensor | None = None  # [B*M, H] the MTP head's hidden input
     hidden: torch.Tensor | None = None  # [B*M, H] post-norm
@@ -59,13 +91,16 @@ class DecodeGraphs:
     def _new_buffers(self, b: int, m: int, rollback: bool) -> StepBuffers:
         dev, pool = self.model.device, self.pool
         pad_slot, pad_start = pool.pad_kv
-        buffers = StepBuffers(  # every row padding until run() fills them: the warm-up and capture touch no sequence
-            ids=torch.zeros(b * m, dtype=torch.long, device=dev),
-            slots=torch.full((b,), pool.pad_slot, dtype=torch.int32, device=dev),
-            positions=torch.arange(m, device=dev).repeat(b),
-            lengths=torch.full((b,), m, dtype=torch.int32, device=dev),
-            kv_slots=torch.full((b,), pad_slot, dtype=torch.int32, device=dev),
-            kv_positions=(pad_start + torch.arange(m, device=dev)).repeat(b),
+        inputs = StepInputs(b, m, dev)  # every row padding until run() fills them: the warm-up and capture touch no sequence
+        inputs.ids_h[:] = 0
+        inputs.slots_h[:] = pool.pad_slot
+        inputs.positions_h[:] = np.tile(np.arange(m), b)
+        inputs.lengths_h[:] = m
+        inputs.kv_slots_h[:] = pad_slot
+        inputs.kv_positions_h[:] = pad_start + np.tile(np.arange(m), b)
+        inputs.upload()
+        buffers = StepBuffers(
+            inputs=inputs,
             rollback=None,
             hidden_in=torch.zeros(b * m, self.model.config.hidden_size, dtype=self.model.dtype, device=dev) if self.mtp else None,
         )
@@ -80,12 +115,12 @@ class DecodeGraphs:
         return buffers
 
     def _body(self, buf: StepBuffers, m: int, span: int) -> None:
-        batch = SlotBatch(self.pool, buf.slots, buf.positions, buf.lengths, m, span, buf.rollback, buf.kv_slots,
-                          buf.kv_positions)
+        i = buf.inputs
+        batch = SlotBatch(self.pool, i.slots, i.positions, i.lengths, m, span, buf.rollback, i.kv_slots, i.kv_positions)
         if self.mtp:
-            buf.hidden = self.model.mtp_slot_forward(buf.ids, buf.hidden_in, batch)
+            buf.hidden = self.model.mtp_slot_forward(i.ids, buf.hidden_in, batch)
         else:
-            buf.hidden = self.model.slot_forward(buf.ids, batch)
+            buf.hidden = self.model.slot_forward(i.ids, batch)
         buf.logits = self.logits(buf.hidden)
 
     def _capture(self, buf: StepBuffers, m: int, span: int) -> None:
@@ -124,18 +159,20 @@ class DecodeGraphs:
         n = len(caches)
         longest = max(c.num_tokens for c in caches) + m
         buf, b, span = self.buffers_for(n, m, longest, rollback)
-        dev = buf.ids.device
         pad_slot, pad_start = self.pool.pad_kv
-        starts = torch.tensor([c.num_tokens for c in caches] + [0] * (b - n), dtype=torch.long)
-        positions = (starts[:, None] + torch.arange(m)).reshape(-1)
-        kv_positions = positions.clone()
-        kv_positions[n * m :] += pad_start  # padding rows write past every sequence's end
-        buf.ids.copy_(torch.tensor(list(ids) + [0] * ((b - n) * m), dtype=torch.long), non_blocking=True)
-        buf.slots.copy_(torch.tensor([c.slot for c in caches] + [self.pool.pad_slot] * (b - n), dtype=torch.int32))
-        buf.kv_slots.copy_(torch.tensor([c.slot for c in caches] + [pad_slot] * (b - n), dtype=torch.int32))
-        buf.positions.copy_(positions.to(dev))
-        buf.kv_positions.copy_(kv_positions.to(dev))
-        buf.lengths.copy_((starts + m).to(torch.int32).to(dev))
+        i = buf.inputs.writable()
+        starts = np.array([c.num_tokens for c in caches] + [0] * (b - n), dtype=np.int64)
+        i.ids_h[: len(ids)] = ids
+        i.ids_h[len(ids) :] = 0
+        i.positions_h[:] = (starts[:, None] + np.arange(m)).reshape(-1)
+        i.kv_positions_h[:] = i.positions_h
+        i.kv_positions_h[n * m :] += pad_start  # padding rows write past every sequence's end
+        i.slots_h[:n] = [c.slot for c in caches]
+        i.slots_h[n:] = self.pool.pad_slot
+        i.kv_slots_h[:n] = i.slots_h[:n]
+        i.kv_slots_h[n:] = pad_slot
+        i.lengths_h[:] = starts + m
+        i.upload()
         if self.mtp:
             buf.hidden_in[: len(ids)].copy_(hidden)
         if buf.graph is not None:
