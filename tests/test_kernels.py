@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from roofline.kernels import _common  # noqa: E402
 from roofline.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
-from roofline.kernels.fp8_gemv import dense_matmul, fp8_matmul, fp8_matmul_reference  # noqa: E402
+from roofline.kernels.fp8_gemv import dense_matmul, fp8_matmul, fp8_matmul_reference, router_top_k  # noqa: E402
 from roofline.kernels.gdn_decode import gdn_decode, gdn_decode_reference  # noqa: E402
 from roofline.kernels.int4_experts import (  # noqa: E402
     experts_down,
@@ -388,6 +388,55 @@ def test_dense_matmul_interpreter(m, n, k):
 @pytest.mark.parametrize("n", [128, 257, 1024])  # GDN b/a merged, router + shared gate, the largest taken
 def test_dense_matmul_gpu(m, n):
     check_dense(m, n, 3072, torch.bfloat16, GPU, 1e-2)
+
+
+def check_router(m, experts, k, fp8, dtype, device, config=None):
+    """router_top_k's logits equal the GEMV's, and its routing the softmax / top-k of them (the extra rows, the
+    shared expert's gate, outside the routing)."""
+    torch.manual_seed(m + experts + k)
+    hidden = 256
+    w = torch.randn(experts + 1, hidden)
+    if fp8:
+        q, s = quantize_fp8_block(w, (128, 128))
+        weight, scale = q.to(device), s.to(device)
+    else:
+        weight, scale = w.to(device).to(dtype), None
+    x = torch.randn(m, hidden, device=device).to(dtype)
+    logits, chosen, weights = router_top_k(x, weight, scale, (128, 128), experts, k) if config is None else \
+        _router_with_config(x, weight, scale, experts, k, config)
+    want = fp8_matmul(x, weight, scale, (128, 128), config=config) if fp8 else dense_matmul(x, weight, config=config)
+    assert torch.equal(logits, want)
+    probs = torch.softmax(want[:, :experts].float(), dim=-1)
+    top_w, top_e = torch.topk(probs, k, dim=-1)
+    # the k largest in order (16-bit logits can tie: compare probabilities, and the indices must be distinct)
+    assert torch.equal(probs.gather(1, chosen), top_w)
+    assert all(len(set(row)) == k for row in chosen.tolist())
+    assert torch.allclose(weights, top_w / top_w.sum(-1, keepdim=True), atol=1e-6)
+    assert_counters_zero()
+
+
+def _router_with_config(x, weight, scale, experts, k, config):
+    chosen = torch.empty(x.shape[0], k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(x.shape[0], k, dtype=torch.float32, device=x.device)
+    logits = fp8_matmul(x, weight, scale, (128, 128), config=config, route=(chosen, weights, experts))
+    return logits, chosen, weights
+
+
+@cpu
+@pytest.mark.parametrize("m,experts,k,fp8,config", [
+    (1, 64, 8, False, None),  # split K (the default config splits over programs)
+    (3, 40, 4, False, {"SPLIT_K": 1}),  # every program writes its tile's final output
+    (4, 16, 2, True, {"SPLIT_K": 2}),
+])
+def test_router_top_k_interpreter(m, experts, k, fp8, config):
+    check_router(m, experts, k, fp8, torch.float16, "cpu", config)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("experts,k,fp8", [(256, 8, False), (128, 8, False), (256, 8, True)])
+def test_router_top_k_gpu(m, experts, k, fp8):
+    check_router(m, experts, k, fp8, torch.bfloat16, GPU)
 
 
 # ---------------------------------------------------------------- fused GDN decode step

@@ -137,3 +137,34 @@ def test_route_top_k_reads_strided_logits():
     got_e, got_w = route_top_k(merged[:, :64], 4)
     want_e, want_w = route_top_k(merged[:, :64].contiguous(), 4)
     assert torch.equal(got_e, want_e) and torch.equal(got_w, want_w)
+
+
+@runs_here
+@pytest.mark.parametrize("merged", [True, False])
+def test_router_gemv_routes_as_the_top_k_kernel(merged):
+    """The MoE block's one-launch router (GEMV + top-k epilogue) routes exactly as the GEMV followed by
+    route_top_k, with the shared expert's gate merged into the router's weight or kept apart."""
+    import types
+
+    from roofline.kernels.blocks import _route, fused_router
+    from roofline.kernels.dispatch import install_weight_kernel
+    from roofline.kernels.merge import Projections
+    from roofline.quant import DenseWeight
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float16
+    torch.manual_seed(3)
+    gate = DenseWeight(64, 256, dtype=dtype, device=DEVICE)
+    gate.weight.copy_(torch.randn(64, 256))
+    shared_gate = DenseWeight(1, 256, dtype=dtype if merged else torch.float32, device=DEVICE)
+    shared_gate.weight.copy_(torch.randn(1, 256))
+    for w in (gate, shared_gate):
+        install_weight_kernel(w)
+    moe = types.SimpleNamespace(gate=gate, shared_expert_gate=shared_gate, top_k=8,
+                                merged={"router": Projections([gate, shared_gate], install_weight_kernel)})
+    assert (moe.merged["router"].merged is not None) == merged and fused_router(moe) is not None
+    x = torch.randn(3, 256, device=DEVICE).to(dtype)
+    experts, weights, gate_logit = _route(moe, x)
+    logits = gate(x)
+    want_e, want_w = route_top_k(logits, 8)
+    assert torch.equal(experts, want_e) and torch.equal(weights, want_w)
+    assert torch.equal(gate_logit, shared_gate(x))  # merged: the router's last output column

@@ -6,10 +6,11 @@ Same math as `DecoderLayer.forward` and `SparseMoE.forward`, rounded where they 
   adds h itself, in its last kernel;
 - MLP (the dense model's, and the MoE's shared expert): gate and up as one merged GEMV, silu * up
   in one kernel, down: 3 launches where the model code runs 5;
-- MoE (INT4 routed experts): router and shared-expert gate as one merged GEMV, the router's
-  softmax / top-k in one kernel, the routed experts' gate_up, the shared expert (3), then the
-  routed experts' down kernel, which also adds sigmoid(gate) * shared and the residual
-  (`experts_down`'s epilogue): 7 launches where the model code runs ~16. On CUDA the shared expert's
+- MoE (INT4 routed experts): router and shared-expert gate as one merged GEMV with the router's
+  softmax / top-k in its epilogue (`fp8_gemv.router_top_k`, where the router is a dense or FP8
+  weight; else a separate top-k kernel), the routed experts' gate_up, the shared expert (3), then
+  the routed experts' down kernel, which also adds sigmoid(gate) * shared and the residual
+  (`experts_down`'s epilogue): 6 launches where the model code runs ~16. On CUDA the shared expert's
   3 launches run on a second stream beside the router and the routed gate_up (`_common.beside`).
 
 Installed by `dispatch.install_fast_path` with the fused small ops; more rows (prefill) run the
@@ -21,9 +22,34 @@ from __future__ import annotations
 import torch
 
 from ..model.layers import MLP, DecoderLayer, SparseMoE
+from ..quant import DenseWeight, Fp8BlockWeight
 from ._common import beside
 from .dispatch import MAX_DECODE_ROWS, row_count
 from .small_ops import add_rms_norm, route_top_k, silu_mul
+
+
+def fused_router(moe: SparseMoE):
+    """The dense / FP8 weight whose GEMV can also route (the router merged with the shared expert's gate, or
+    the router alone), or None: the router then runs its GEMV and a top-k kernel (two launches)."""
+    merged = moe.merged["router"].merged
+    weight = merged if merged is not None else moe.gate
+    return weight if isinstance(weight, (DenseWeight, Fp8BlockWeight)) and "forward" in weight.__dict__ else None
+
+
+def _route(moe: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen experts, routing weights fp32, the shared expert's gate logit) for decode rows."""
+    weight = fused_router(moe)
+    if weight is None:
+        logits, gate_logit = moe.merged["router"](x)
+        return (*route_top_k(logits, moe.top_k), gate_logit)
+    from .fp8_gemv import router_top_k
+
+    fp8 = isinstance(weight, Fp8BlockWeight)
+    e = moe.gate.out_features
+    logits, experts, weights = router_top_k(x, weight.weight, weight.scale_inv if fp8 else None,
+                                            weight.block if fp8 else (128, 128), e, moe.top_k)
+    gate_logit = logits[..., e:] if moe.merged["router"].merged is not None else moe.shared_expert_gate(x)
+    return experts, weights, gate_logit
 
 
 def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -34,8 +60,7 @@ def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residu
     from .int4_experts import experts_down, experts_gate_up
 
     shared_out, join = beside(x.device, lambda: moe.shared_expert(x).contiguous())
-    logits, gate_logit = moe.merged["router"](x)
-    experts, weights = route_top_k(logits, moe.top_k)
+    experts, weights, gate_logit = _route(moe, x)
     gate_up, down = moe.experts.gate_up, moe.experts.down
     act = experts_gate_up(x, experts, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size, sym=syms[0])
     join()

@@ -177,21 +177,29 @@ def _install_merged_projections(model: torch.nn.Module, installed: Counter) -> N
 
 def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
     """Decoder layers, MoE blocks and MLPs with fewer launches for decode rows (blocks.py)."""
-    from .blocks import layer_forward, mlp_forward, moe_forward
+    from .blocks import fused_router, layer_forward, mlp_forward, moe_forward
     from .int4_gemv import is_symmetric
 
+    apart = 0
     for module in model.modules():
         if isinstance(module, SparseMoE) and isinstance(module.experts.forward, partial) and module.experts.forward.func is _experts:
             gate_up, down = module.experts.gate_up, module.experts.down
             module.forward = partial(moe_forward, module, (is_symmetric(gate_up.qzeros), is_symmetric(down.qzeros)))
             module.adds_residual = True
             installed["fused moe block"] += 1
+            if fused_router(module) is not None:
+                installed["router + top-k in one launch"] += 1
+            else:
+                apart += 1
         elif isinstance(module, MLP):
             module.forward = partial(mlp_forward, module)
             installed["fused mlp"] += 1
         elif isinstance(module, DecoderLayer):
             module.forward = partial(layer_forward, module)
             installed["fused decoder layer"] += 1
+    if apart:
+        log.info("%d MoE routers run their GEMV and a separate top-k kernel: the router weight is neither dense "
+                 "16-bit nor block FP8 with a decode kernel", apart)
 
 
 def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPath:

@@ -11,6 +11,11 @@ a column tile adds the partial sums (see _common.arrive).
 The same kernel without the block scale (`dense_matmul`) serves small dense BF16 weights of the
 decode step (the router with the shared expert's gate, GDN's b/a projections), where cuBLAS
 takes a GEMV plus a split-K reduction kernel (~4-6 us on an H200 for under 2 MB).
+
+`router_top_k` is that GEMV for the MoE router with the routing in its epilogue: the program that
+writes a column tile's final output arrives at one more counter, and the last of them runs the
+softmax / top-k of every row (small_ops.softmax_top_k) over the outputs it reads back from L2. That
+takes the separate top-k launch (~3.4 us, and a launch gap) off the MoE block's critical path.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import triton.language as tl
 
 from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, sum_splits, wait_for_inputs
 from .int4_gemv import _sm_count
+from .small_ops import softmax_top_k
 
 
 def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
@@ -37,6 +43,7 @@ def _fp8_gemv_kernel(
     M, N, K, K_PER_SPLIT, S_COLS,
     SBN: tl.constexpr, SBK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr,
     HAS_SCALE: tl.constexpr = True, PDL: tl.constexpr = False,
+    experts_ptr=None, weights_ptr=None, E=0, TOPK: tl.constexpr = 0, KP: tl.constexpr = 1, BE: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -71,12 +78,35 @@ def _fp8_gemv_kernel(
     omask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=omask)
+        if TOPK:
+            _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM, TOPK, KP, BE)
     else:
         tl.store(ws_ptr + pid_k * M * N + offs, y, mask=omask)
         if arrive(cnt_ptr + pid_n, SPLIT_K):
             total = sum_splits(ws_ptr, M * N, offs, omask, SPLIT_K, SPLITP, 4)
             tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=omask)
             reset(cnt_ptr + pid_n)
+            if TOPK:
+                _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM, TOPK, KP, BE)
+
+
+@triton.jit
+def _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM: tl.constexpr, TOPK: tl.constexpr,
+                KP: tl.constexpr, BE: tl.constexpr):
+    """Called by each column tile's final writer: the last of them routes every row from the first E outputs
+    (counter slot num_programs(0), after the tiles' own)."""
+    tiles = tl.num_programs(0)
+    if arrive(cnt_ptr + tiles, tiles):
+        e = tl.arange(0, BE)
+        emask = e < E
+        slot = tl.arange(0, KP)
+        for m in tl.static_range(BM):
+            if m < M:
+                z = tl.load(out_ptr + m * N + e, mask=emask, other=0, cache_modifier=".cg").to(tl.float32)
+                chosen, weights = softmax_top_k(z, e, emask, TOPK, KP, BE)
+                tl.store(experts_ptr + m * TOPK + slot, chosen, mask=slot < TOPK)
+                tl.store(weights_ptr + m * TOPK + slot, weights, mask=slot < TOPK)
+        reset(cnt_ptr + tiles)
 
 
 def default_config(m: int) -> dict:
@@ -89,9 +119,10 @@ def default_config(m: int) -> dict:
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, block=(128, 128), *, out=None,
-               config: dict | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+               config: dict | None = None, counters: torch.Tensor | None = None, route: tuple | None = None) -> torch.Tensor:
     """y = x @ W^T for x [..., K] with 1..4 rows, W block FP8 [N, K] with scale_inv per (bn, bk) block
-    (scale_inv None: W is used as it is stored, see dense_matmul)."""
+    (scale_inv None: W is used as it is stored, see dense_matmul). `route` = (experts [M, k] int64, weights
+    [M, k] fp32, E): also write each row's routing over its first E outputs (see router_top_k)."""
     n, k = weight.shape
     x2, lead = decode_rows(x, k, "fp8_matmul")
     m = x2.shape[0]
@@ -113,15 +144,34 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ws = torch.empty(split if split > 1 else 1, m, n, dtype=torch.float32, device=x.device)
-    cnt = counters if counters is not None else counters_for("fp8_gemv", tiles, x.device)
+    cnt = counters if counters is not None else counters_for("fp8_gemv", tiles + 1, x.device)
+    routing = {}
+    if route is not None:
+        experts, weights, e = route
+        top_k = experts.shape[-1]
+        routing = dict(experts_ptr=experts, weights_ptr=weights, E=e, TOPK=top_k, KP=next_pow2(top_k), BE=next_pow2(e))
     _fp8_gemv_kernel[(tiles, split)](
         x2, weight, scale_inv if scale_inv is not None else weight, out, ws, cnt, m, n, k, k_per_split,
         scale_inv.shape[-1] if scale_inv is not None else 0,
         SBN=bn_s, SBK=bk_s, BM=max(1, 1 << (m - 1).bit_length()), BN=bn, BK=bk, SPLIT_K=split, SPLITP=next_pow2(split),
         HAS_SCALE=scale_inv is not None, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
-        **pdl_options(x.device),
+        **routing, **pdl_options(x.device),
     )
     return out.reshape(*lead, n)
+
+
+def router_top_k(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, block, experts: int,
+                 top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router GEMV and its routing in one launch: (logits [..., N], chosen experts [M, top_k] int64, routing
+    weights [M, top_k] fp32 summing to 1) for x [..., K] with 1..4 rows; softmax / top-k over the first
+    `experts` outputs (the rest, e.g. the shared expert's gate merged in, are only computed)."""
+    m = x.numel() // x.shape[-1]
+    if not 1 <= experts <= weight.shape[0] or top_k > experts:
+        raise ValueError(f"router_top_k: {experts} experts (top {top_k}) for a weight of {weight.shape[0]} rows")
+    chosen = torch.empty(m, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
+    logits = fp8_matmul(x, weight, scale_inv, block, route=(chosen, weights, experts))
+    return logits, chosen, weights
 
 
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor, *, out=None, config: dict | None = None) -> torch.Tensor:
