@@ -77,8 +77,7 @@ def bench_attention(copy, budget, ms=(1,), sweep=True):
         ("BT64 st2 pps1", {"BT": 64, "num_stages": 2, "programs_per_sm": 1}),
         ("BT64 st3 w8 pps1", {"BT": 64, "num_stages": 3, "num_warps": 8, "programs_per_sm": 1}),
         ("BT32 st4 pps1", {"BT": 32, "num_stages": 4, "programs_per_sm": 1}),
-        ("BT32 st3 pps1 G16", {"BT": 32, "num_stages": 3, "programs_per_sm": 1, "GROUP": 16}),
-        ("BT32 st3 w8 CH4 pps1", {"BT": 32, "num_stages": 3, "num_warps": 8, "programs_per_sm": 1, "CH": 4}),
+        ("BT32 st3 pps1 merge32", {"BT": 32, "num_stages": 3, "programs_per_sm": 1, "merge_dims": 32}),
     ]
     mn_configs = [("default", None), ("pps0.5", {"programs_per_sm": 0.5})]
     for ctx in S["ctxs"]:

@@ -678,11 +678,11 @@ def check_attention(bsz, m, hq, hkv, d, cap, lengths, dtype, device, config=None
 @pytest.mark.parametrize("bsz,m,hq,hkv,d,cap,lengths,config,pool", [
     (2, 1, 4, 2, 32, 50, [37, 50], None, None),
     (3, 3, 8, 2, 24, 70, [3, 40, 70], {"NSPLIT": 3}, None),   # M=3 causal verify rows, a context shorter than the split
-    (1, 4, 6, 1, 64, 33, [33], {"NSPLIT": 5}, None),          # two-level combine: groups of 4 and 1 splits
+    (1, 4, 6, 1, 64, 33, [33], {"NSPLIT": 5, "merge_dims": 16}, None),  # the merge in four dim chunks
     (2, 2, 4, 4, 256, 20, [20, 7], None, None),               # head dim 256
-    (2, 1, 4, 2, 32, 50, [50, 21], {"NSPLIT": 7, "GROUP": 2}, 5),  # slots into a pool of 5; 4 groups
-    (3, 2, 8, 2, 16, 40, [40, 2, 17], {"NSPLIT": 9, "GROUP": 8}, 4),  # slots; a one-split last group
-    (1, 3, 4, 1, 32, 30, [30], {"NSPLIT": 4, "GROUP": 4}, 3),  # slots; one group (no second level)
+    (2, 1, 4, 2, 32, 50, [50, 21], {"NSPLIT": 7}, 5),         # slots into a pool of 5
+    (3, 2, 8, 2, 16, 40, [40, 2, 17], {"NSPLIT": 9}, 4),      # slots; a sequence whose keys fill one split
+    (1, 3, 4, 1, 32, 30, [30], {"NSPLIT": 1}, 3),             # slots; one split: no merge launch
 ])
 def test_decode_attention_interpreter(bsz, m, hq, hkv, d, cap, lengths, config, pool):
     check_attention(bsz, m, hq, hkv, d, cap, lengths, torch.float32 if m % 2 else torch.float16, "cpu", config,

@@ -8,10 +8,13 @@ bound stays valid while lengths grow up to it.
 
 Flash-decoding: program (split, kv head, sequence) streams its share of the cache once for all
 Hq/Hkv query heads of the kv head and all M query tokens (rows = heads x tokens, padded to 16
-for the matrix unit), keeping an online softmax; the last split of a (sequence, kv head) to
-finish merges the partial (max, sum, output) triples in two levels (see _common.arrive): the last
-split of each group of ~sqrt(splits) merges its group, the last group merges the groups, so no
-program reads more than ~sqrt(splits) partials.
+for the matrix unit), keeping an online softmax, and writes its partial (max, sum, output)
+triple; a second launch merges them, one program per (sequence and kv head, row, 64 output
+dims), each reading every split's partial of its slice at once. (Until 2026-12-03 the last split
+to finish merged all of a kv head's partials in two levels inside the first launch: on the H200,
+ncu showed the SMs busy for 6 us of a 42 us kernel at 8K and 20 of 62 us at 32K, the rest one
+program per kv head merging 16 rows x 256 dims of 32-64 partials.) With one split the first
+launch writes the output itself.
 
 Pools: with `slots` [B] (int32/int64), k_cache / v_cache are [S, T, Hkv, D] pools of S slots and
 sequence b reads row slots[b]; without it, row b.
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, arrive, counters_for, next_pow2, pdl_options, reset, sm_count, wait_for_inputs
+from ._common import INTERPRET, next_pow2, pdl_options, sm_count, wait_for_inputs
 
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, scale: float | None = None, *, slots=None) -> torch.Tensor:
@@ -52,39 +55,6 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, scale: float | None
 
 
 @triton.jit
-def _combine(base, count, r, rmask, dd, BQ: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, CH: tl.constexpr):
-    """Merge `count` (<= NP) partial (max, sum, output) triples stored WS = BQ*(BD+2) floats apart from base.
-
-    Loads go through L2 (.cg: other programs wrote them); all maxima at once, then the weighted
-    sums in chunks of CH partials whose loads go out together. Returns the merged triple."""
-    WS: tl.constexpr = BQ * (BD + 2)
-    i = tl.arange(0, NP)
-    ms = tl.load(base + i[:, None] * WS + r[None, :], mask=(i < count)[:, None] & rmask[None, :], other=-1.0e30,
-                 cache_modifier=".cg")
-    m_all = tl.max(ms, axis=0)
-    l_all = tl.zeros([BQ], dtype=tl.float32)
-    acc = tl.zeros([BQ, BD], dtype=tl.float32)
-    for c in tl.static_range(0, NP, CH):
-        sp = c + tl.arange(0, CH)
-        smask = (sp < count)[:, None] & rmask[None, :]
-        mc = tl.load(base + sp[:, None] * WS + r[None, :], mask=smask, other=-1.0e30, cache_modifier=".cg")
-        lc = tl.load(base + sp[:, None] * WS + BQ + r[None, :], mask=smask, other=0.0, cache_modifier=".cg")
-        part = tl.load(base + sp[:, None, None] * WS + 2 * BQ + r[None, :, None] * BD + dd[None, None, :],
-                       mask=smask[:, :, None], other=0.0, cache_modifier=".cg")
-        w = tl.exp2(mc - m_all[None, :])  # [CH, BQ]
-        l_all += tl.sum(w * lc, axis=0)
-        acc += tl.sum(part * w[:, :, None], axis=0)
-    return m_all, l_all, acc
-
-
-@triton.jit
-def _store_partial(base, m_i, l_i, acc, r, rmask, dd, BQ: tl.constexpr, BD: tl.constexpr):
-    tl.store(base + r, m_i, mask=rmask)
-    tl.store(base + BQ + r, l_i, mask=rmask)
-    tl.store(base + 2 * BQ + r[:, None] * BD + dd[None, :], acc, mask=rmask[:, None])
-
-
-@triton.jit
 def _finish(out_ptr, out_offs, mask, acc, l, gate_ptr, gate_offs, HAS_GATE: tl.constexpr):
     """out = acc / l in the output dtype; with HAS_GATE times sigmoid(gate), rounded as GatedAttention rounds."""
     ty = out_ptr.dtype.element_ty
@@ -97,11 +67,10 @@ def _finish(out_ptr, out_offs, mask, acc, l, gate_ptr, gate_offs, HAS_GATE: tl.c
 
 @triton.jit
 def _decode_attn_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, slot_ptr, out_ptr, ws_ptr, gws_ptr, cnt_ptr, gate_ptr, GATE_ROW, GATE_HEAD,
-    T, HQ, HKV, D, KEYS_PER_SPLIT, scale_log2, NSPLIT, NGROUP,
+    q_ptr, k_ptr, v_ptr, len_ptr, slot_ptr, out_ptr, ws_ptr, gate_ptr, GATE_ROW, GATE_HEAD,
+    T, HQ, HKV, D, KEYS_PER_SPLIT, scale_log2, NSPLIT,
     M: tl.constexpr, HG: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-    GSIZE: tl.constexpr, NGROUPP: tl.constexpr, CH: tl.constexpr, CHG: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    HAS_GATE: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_SLOTS: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     sp = tl.program_id(0)
@@ -148,35 +117,55 @@ def _decode_attn_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    # workspace per (b, kvh, split): [BQ] max, [BQ] sum, [BQ, BD] unnormalised output
+    if NSPLIT == 1:
+        out_offs = ((b * M + tok) * HQ + head)[:, None] * D + dd[None, :]
+        gate_offs = ((b * M + tok) * GATE_ROW + head * GATE_HEAD)[:, None] + dd[None, :]
+        _finish(out_ptr, out_offs, rmask[:, None] & dmask[None, :], acc, l_i, gate_ptr, gate_offs, HAS_GATE)
+    else:  # workspace per (b, kvh, split): [BQ] max, [BQ] sum, [BQ, BD] unnormalised output
+        WS: tl.constexpr = BQ * (BD + 2)
+        base = ws_ptr + ((b * HKV + kvh) * NSPLIT + sp).to(tl.int64) * WS
+        tl.store(base + r, m_i, mask=rmask)
+        tl.store(base + BQ + r, l_i, mask=rmask)
+        tl.store(base + 2 * BQ + r[:, None] * BD + dd[None, :], acc, mask=rmask[:, None])
+
+
+@triton.jit
+def _decode_attn_merge_kernel(
+    ws_ptr, out_ptr, gate_ptr, GATE_ROW, GATE_HEAD, HQ, HKV, D, NSPLIT,
+    M: tl.constexpr, HG: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, DC: tl.constexpr, SP: tl.constexpr,
+    HAS_GATE: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Program (sequence x kv head, row, dim chunk): merge the NSPLIT (<= SP) partials of one row's DC dims."""
+    wait_for_inputs(PDL)
+    bh = tl.program_id(0)
+    r = tl.program_id(1)  # head_in_group * M + token
+    b = bh // HKV
+    head = (bh % HKV) * HG + r // M
+    tok = r % M
     WS: tl.constexpr = BQ * (BD + 2)
-    bh = b * HKV + kvh
-    _store_partial(ws_ptr + (bh * NSPLIT + sp).to(tl.int64) * WS, m_i, l_i, acc, r, rmask, dd, BQ, BD)
-    # two-level combine: the last split of each group of GSIZE merges the group; the last group the groups
-    g = sp // GSIZE
-    cnt = cnt_ptr + bh * (NGROUP + 1)
-    out_offs = ((b * M + tok) * HQ + head)[:, None] * D + dd[None, :]
-    gate_offs = ((b * M + tok) * GATE_ROW + head * GATE_HEAD)[:, None] + dd[None, :]
-    omask = rmask[:, None] & dmask[None, :]
-    if arrive(cnt + g, tl.minimum(GSIZE, NSPLIT - g * GSIZE)):
-        m_g, l_g, acc_g = _combine(ws_ptr + (bh * NSPLIT + g * GSIZE).to(tl.int64) * WS,
-                                   tl.minimum(GSIZE, NSPLIT - g * GSIZE), r, rmask, dd, BQ, BD, GSIZE, CH)
-        reset(cnt + g)
-        if NGROUP == 1:
-            _finish(out_ptr, out_offs, omask, acc_g, l_g, gate_ptr, gate_offs, HAS_GATE)
-        else:
-            _store_partial(gws_ptr + (bh * NGROUP + g).to(tl.int64) * WS, m_g, l_g, acc_g, r, rmask, dd, BQ, BD)
-            if arrive(cnt + NGROUP, NGROUP):
-                m_f, l_f, acc_f = _combine(gws_ptr + (bh * NGROUP).to(tl.int64) * WS, NGROUP, r, rmask, dd, BQ, BD,
-                                           NGROUPP, CHG)
-                _finish(out_ptr, out_offs, omask, acc_f, l_f, gate_ptr, gate_offs, HAS_GATE)
-                reset(cnt + NGROUP)
+    s = tl.arange(0, SP)
+    smask = s < NSPLIT
+    base = ws_ptr + (bh * NSPLIT + s).to(tl.int64) * WS
+    dd = tl.program_id(2) * DC + tl.arange(0, DC)
+    dmask = dd < D
+    m_s = tl.load(base + r, mask=smask, other=-1.0e30, cache_modifier=".cg")
+    l_s = tl.load(base + BQ + r, mask=smask, other=0.0, cache_modifier=".cg")
+    part = tl.load(base[:, None] + 2 * BQ + r * BD + dd[None, :], mask=smask[:, None] & dmask[None, :], other=0.0,
+                   cache_modifier=".cg")
+    w = tl.exp2(m_s - tl.max(m_s, axis=0))  # splits without keys: max -1e30, weight 0
+    acc = tl.sum(part * w[:, None], axis=0)
+    l = tl.sum(w * l_s, axis=0)
+    ty = out_ptr.dtype.element_ty
+    o = (acc / tl.where(l > 0, l, 1.0)).to(ty)
+    if HAS_GATE:
+        g = tl.load(gate_ptr + (b * M + tok) * GATE_ROW + head * GATE_HEAD + dd, mask=dmask, other=0).to(tl.float32)
+        o = o * (1.0 / (1.0 + tl.exp(-g))).to(ty)
+    tl.store(out_ptr + ((b * M + tok) * HQ + head) * D + dd, o.to(ty), mask=dmask)
 
 
 def default_config() -> dict:
-    """One program per SM (B x Hkv x splits): with the two-level combine a split's partial costs the
-    last programs about one L2 round trip per chunk, so more, shorter splits no longer pay for their
-    combine as the one-level combine of run 2 did (66 splits: most of the time spent combining)."""
+    """One program per SM (B x Hkv x splits); the merge launch reads every split's partial of its slice at once,
+    so its time barely grows with the split count."""
     if INTERPRET:
         return {"BT": 16, "num_warps": 1, "num_stages": 1}
     # min_keys_per_split: at short spans (the 1K bucket at context ~0) one split per SM left ~60 programs
@@ -185,10 +174,10 @@ def default_config() -> dict:
 
 
 def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None, *, max_len: int | None = None, out=None,
-                     slots=None, gate=None, config: dict | None = None, counters=None) -> torch.Tensor:
+                     slots=None, gate=None, config: dict | None = None) -> torch.Tensor:
     """Attention of q [B, M, Hq, D] over the caches [S, T, Hkv, D] (row slots[b] for sequence b, or row b)
     (see the module docstring) -> [B, M, Hq, D]; with `gate` [B*M, Hq, D] (any row and head strides, unit
-    stride along D), the output times sigmoid(gate): gated attention's output gate in the same launch."""
+    stride along D), the output times sigmoid(gate): gated attention's output gate, applied where the output is written."""
     bsz, m, hq, d = q.shape
     if gate is not None and (gate.shape != (bsz * m, hq, d) or gate.stride(-1) != 1):
         raise ValueError(f"gate must be [{bsz * m}, {hq}, {d}] with unit stride along D, got {list(gate.shape)}")
@@ -218,23 +207,22 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None, *
                                              math.ceil(max_len / cfg.get("min_keys_per_split", 1))))
     keys_per_split = triton.cdiv(blocks, nsplit) * bt
     nsplit = triton.cdiv(max(max_len, 1), keys_per_split)
-    gsize = cfg.get("GROUP") or next_pow2(math.ceil(math.sqrt(nsplit)))
-    ngroup = triton.cdiv(nsplit, gsize)
-    # chunk of partials merged per step: about 8K fp32 values in flight per program
-    ch = cfg.get("CH") or max(1, min(gsize, 8192 // (bq * bd)))
-    chg = max(1, min(next_pow2(ngroup), 8192 // (bq * bd)))
     scale = d**-0.5 if scale is None else scale
     if out is None:
         out = torch.empty_like(q)
-    ws = torch.empty(bsz * hkv * (nsplit + ngroup) * bq * (bd + 2), dtype=torch.float32, device=q.device)
-    cnt = counters if counters is not None else counters_for("decode_attention", bsz * hkv * (ngroup + 1), q.device)
+    ws = torch.empty(bsz * hkv * nsplit * bq * (bd + 2) if nsplit > 1 else 1, dtype=torch.float32, device=q.device)
+    gate_args = (gate if gate is not None else q, gate.stride(0) if gate is not None else 0,
+                 gate.stride(1) if gate is not None else 0)
     _decode_attn_kernel[(nsplit, hkv, bsz)](
-        q.contiguous(), k_cache, v_cache, lengths, slots if slots is not None else lengths, out, ws,
-        ws[bsz * hkv * nsplit * bq * (bd + 2):], cnt, gate if gate is not None else q,
-        gate.stride(0) if gate is not None else 0, gate.stride(1) if gate is not None else 0,
-        t_cap, hq, hkv, d, keys_per_split, scale * 1.4426950408889634, nsplit, ngroup,
-        M=m, HG=hg, BQ=bq, BD=bd, BT=bt, GSIZE=gsize, NGROUPP=next_pow2(ngroup), CH=ch, CHG=chg,
-        HAS_SLOTS=slots is not None, HAS_GATE=gate is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl_options(q.device),
+        q.contiguous(), k_cache, v_cache, lengths, slots if slots is not None else lengths, out, ws, *gate_args,
+        t_cap, hq, hkv, d, keys_per_split, scale * 1.4426950408889634, nsplit,
+        M=m, HG=hg, BQ=bq, BD=bd, BT=bt, HAS_SLOTS=slots is not None, HAS_GATE=gate is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device),
     )
+    if nsplit > 1:
+        dc = min(bd, cfg.get("merge_dims", 64))
+        _decode_attn_merge_kernel[(bsz * hkv, hg * m, triton.cdiv(d, dc))](
+            ws, out, *gate_args, hq, hkv, d, nsplit, M=m, HG=hg, BQ=bq, BD=bd, DC=dc, SP=next_pow2(nsplit),
+            HAS_GATE=gate is not None, num_warps=1 if INTERPRET else 4, **pdl_options(q.device),
+        )
     return out
