@@ -97,15 +97,14 @@ def _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM: tl.cons
     (counter slot num_programs(0), after the tiles' own)."""
     tiles = tl.num_programs(0)
     if arrive(cnt_ptr + tiles, tiles):
-        e = tl.arange(0, BE)
+        e = tl.arange(0, BE)[None, :]
         emask = e < E
-        slot = tl.arange(0, KP)
-        for m in tl.static_range(BM):
-            if m < M:
-                z = tl.load(out_ptr + m * N + e, mask=emask, other=0, cache_modifier=".cg").to(tl.float32)
-                chosen, weights = softmax_top_k(z, e, emask, TOPK, KP, BE)
-                tl.store(experts_ptr + m * TOPK + slot, chosen, mask=slot < TOPK)
-                tl.store(weights_ptr + m * TOPK + slot, weights, mask=slot < TOPK)
+        m = tl.arange(0, BM)[:, None]
+        slot = tl.arange(0, KP)[None, :]
+        z = tl.load(out_ptr + m * N + e, mask=(m < M) & emask, other=0, cache_modifier=".cg").to(tl.float32)
+        chosen, weights = softmax_top_k(z, e, emask, TOPK, KP, BE)  # all rows at once
+        tl.store(experts_ptr + m * TOPK + slot, chosen, mask=(m < M) & (slot < TOPK))
+        tl.store(weights_ptr + m * TOPK + slot, weights, mask=(m < M) & (slot < TOPK))
         reset(cnt_ptr + tiles)
 
 

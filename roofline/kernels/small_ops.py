@@ -88,22 +88,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def softmax_top_k(z, e, mask, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr):
-    """(experts [KP] int64, weights [KP] fp32) of one token from its router logits z [BE] (fp32, `mask`ed to the
-    experts e < E): softmax, the K largest (the lowest index first among equals), renormalised to sum to 1."""
+    """(experts [R, KP] int64, weights [R, KP] fp32) from router logits z [R, BE] (fp32; `mask` [R, BE] or [1, BE]
+    keeps the experts e < E, e [1, BE]): per row softmax, the K largest (the lowest index first among equals),
+    renormalised to sum to 1. Rows are independent, so R rows take the time of one."""
     z = tl.where(mask, z, -float("inf"))
-    p = tl.exp(z - tl.max(z, axis=0))
-    p = p / tl.sum(p, axis=0)
+    p = tl.exp(z - tl.max(z, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
     p = tl.where(mask, p, -1.0)
-    slot = tl.arange(0, KP)
-    chosen = tl.zeros([KP], dtype=tl.int64)
-    vals = tl.zeros([KP], dtype=tl.float32)
+    slot = tl.arange(0, KP)[None, :]
+    chosen = tl.zeros([z.shape[0], KP], dtype=tl.int64)
+    vals = tl.zeros([z.shape[0], KP], dtype=tl.float32)
     for j in tl.static_range(K):
-        best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, e, BE), axis=0)
+        best = tl.max(p, axis=1)[:, None]
+        idx = tl.min(tl.where(p == best, e, BE), axis=1)[:, None]
         chosen = tl.where(slot == j, idx.to(tl.int64), chosen)
         vals = tl.where(slot == j, best, vals)
         p = tl.where(e == idx, -1.0, p)
-    return chosen, vals / tl.sum(vals, axis=0)
+    return chosen, vals / tl.sum(vals, axis=1)[:, None]
 
 
 @triton.jit
@@ -111,11 +112,11 @@ def _route_kernel(logits_ptr, experts_ptr, weights_ptr, E, STRIDE, K: tl.constex
                   PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BE)
+    e = tl.arange(0, BE)[None, :]
     mask = e < E
     z = tl.load(logits_ptr + row * STRIDE + e, mask=mask, other=0).to(tl.float32)
     chosen, weights = softmax_top_k(z, e, mask, K, KP, BE)
-    slot = tl.arange(0, KP)
+    slot = tl.arange(0, KP)[None, :]
     tl.store(experts_ptr + row * K + slot, chosen, mask=slot < K)
     tl.store(weights_ptr + row * K + slot, weights, mask=slot < K)
 
