@@ -36,10 +36,17 @@ def fused_router(moe: SparseMoE):
     return weight if isinstance(weight, (DenseWeight, Fp8BlockWeight)) and "forward" in weight.__dict__ else None
 
 
+# Rows up to which the router routes in its GEMV's epilogue. H200, 2026-12-03 (BENCHMARKS.md): with the epilogue
+# at every row count the M=3 / M=4 verify steps took 6.1-6.3 / 6.4-6.5 ms against 5.5 / 5.7 before (M=1 and M=2
+# no slower); the epilogue runs in one single-warp program, where the separate top-k kernel has a program of 4
+# warps per row. Whether that is the cause is not yet measured: M >= 3 keeps the two launches until it is.
+FUSED_ROUTE_ROWS = 2
+
+
 def _route(moe: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chosen experts, routing weights fp32, the shared expert's gate logit) for decode rows."""
     weight = fused_router(moe)
-    if weight is None:
+    if weight is None or row_count(x) > FUSED_ROUTE_ROWS:
         logits, gate_logit = moe.merged["router"](x)
         return (*route_top_k(logits, moe.top_k), gate_logit)
     from .fp8_gemv import router_top_k
