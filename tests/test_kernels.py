@@ -110,6 +110,7 @@ def test_int4_matmul_interpreter(m, n, k, group, sym, config):
     (4, 64, 512, True, {"tc": True, "KW": 1, "SPLIT_K": 3}),    # uneven split (odd number of steps in a split)
     (3, 64, 256, False, {"tc": True, "WN": 2, "KW": 1}),        # two 32-column blocks per program
     (2, 64, 768, False, {"tc": True, "KW": 1, "SPLIT_K": 1}),   # 6 steps in one program: the loop runs 3 times
+    (3, 64, 640, False, {"tc": True, "SPLIT_K": 2, "stages": 3}),  # the software-pipelined loop (experiment)
 ])
 def test_int4_tc_interpreter(m, n, k, sym, config):
     """The tensor-core path (int4_tc) with its per-thread asm emulated in plain Triton: loads, column map, split K."""
@@ -211,7 +212,7 @@ def test_int4_matmul_gpu(m, n, k, tc):
 
 @gpu
 @pytest.mark.parametrize("config", [None, {"mma": True}, {"tc": True}, {"tc": True, "WN": 2, "KW": 2, "SPLIT_K": 5},
-                                    {"tc": True, "SPLIT_K": 1}])
+                                    {"tc": True, "SPLIT_K": 1}, {"tc": True, "stages": 3}, {"tc": True, "stages": 4, "KW": 2}])
 @pytest.mark.parametrize("m", [1, 4])
 def test_int4_matmul_gpu_paths(m, config):
     """Default config (the int4_tc path), the lanes path's tensor-core variant, and the int4_tc path (split K, and
