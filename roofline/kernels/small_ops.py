@@ -90,7 +90,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def softmax_top_k(z, e, mask, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr):
     """(experts [R, KP] int64, weights [R, KP] fp32) from router logits z [R, BE] (fp32; `mask` [R, BE] or [1, BE]
     keeps the experts e < E, e [1, BE]): per row softmax, the K largest (the lowest index first among equals),
-    renormalised to sum to 1. Rows are independent, so R rows take the time of one."""
+    renormalised to sum to 1; all rows in one pass."""
     z = tl.where(mask, z, -float("inf"))
     p = tl.exp(z - tl.max(z, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
