@@ -153,14 +153,10 @@ def _decode_attn_merge_kernel(
     part = tl.load(base[:, None] + 2 * BQ + r * BD + dd[None, :], mask=smask[:, None] & dmask[None, :], other=0.0,
                    cache_modifier=".cg")
     w = tl.exp2(m_s - tl.max(m_s, axis=0))  # splits without keys: max -1e30, weight 0
-    acc = tl.sum(part * w[:, None], axis=0)
-    l = tl.sum(w * l_s, axis=0)
-    ty = out_ptr.dtype.element_ty
-    o = (acc / tl.where(l > 0, l, 1.0)).to(ty)
-    if HAS_GATE:
-        g = tl.load(gate_ptr + (b * M + tok) * GATE_ROW + head * GATE_HEAD + dd, mask=dmask, other=0).to(tl.float32)
-        o = o * (1.0 / (1.0 + tl.exp(-g))).to(ty)
-    tl.store(out_ptr + ((b * M + tok) * HQ + head) * D + dd, o.to(ty), mask=dmask)
+    acc = tl.sum(part * w[:, None], axis=0)[None, :]  # [1, DC]: one row for _finish
+    l = tl.sum(w[None, :] * l_s[None, :], axis=1)  # [1]
+    _finish(out_ptr, (((b * M + tok) * HQ + head) * D + dd)[None, :], dmask[None, :], acc, l, gate_ptr,
+            ((b * M + tok) * GATE_ROW + head * GATE_HEAD + dd)[None, :], HAS_GATE)
 
 
 def default_config() -> dict:
