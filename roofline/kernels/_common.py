@@ -1,10 +1,12 @@
 """Shared pieces of the Triton kernels: arrival counters for one-launch reductions, small helpers.
 
 Several decode kernels split one reduction over many programs (split-K GEMV, the experts' sum
-over k, flash-decoding's split over the cache, the GDN head norm). Rather than a second launch
-to combine the partial results, each program writes its partial to a workspace, then bumps an
-arrival counter; the program that arrives last combines the partials and resets the counter to
-zero for the next call. One launch, no memset, safe to capture in a CUDA graph.
+over k, the GDN head norm). Rather than a second launch to combine the partial results, each
+program writes its partial to a workspace, then bumps an arrival counter; the program that
+arrives last combines the partials and resets the counter to zero for the next call. One launch,
+no memset, safe to capture in a CUDA graph. That suits small partials; where the last program
+would read a lot (flash-decoding's 16 rows x 256 dims per split, decode_attention.py), a second
+launch that merges in parallel is faster.
 
 The counters live in a zero-initialised int32 buffer per (device, user). Two launches that run
 at the same time on different streams must not share counters: pass each its own buffer

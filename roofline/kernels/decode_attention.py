@@ -165,7 +165,7 @@ def default_config() -> dict:
     if INTERPRET:
         return {"BT": 16, "num_warps": 1, "num_stages": 1}
     # min_keys_per_split: at short spans (the 1K bucket at context ~0) one split per SM left ~60 programs
-    # mostly empty, and their partials and combine cost ~35 us per layer (H200 profile, 2026-12-03)
+    # mostly empty, and their partials and the in-kernel merge of then cost ~35 us per layer (H200 profile, 2026-12-03)
     return {"BT": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 1.0, "min_keys_per_split": 256}
 
 
