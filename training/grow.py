@@ -1,10 +1,13 @@
 """Grow a trained checkpoint by one full-attention layer at the end of the trunk, computing what it computed.
 
-Why (issue 3, 2026-12-03): on held-out recall at 100 facts the shipped model's MTP head, which is one
-more full-attention layer on top of the trunk's final states, predicts the looked-up value tokens far
-better than the trunk does (teacher-forced, stage 6: cross entropy 0.0002 against 0.285 on the value
-tokens; the first value token right in 19 of 20 prompts against 15). The trunk has two attention
-layers of eight; a third at the end gives its lookup the same depth.
+Why (issue 3, 2026-12-03): on held-out recall at 100 facts the trunk finds the fact line but then
+miscopies the later tokens of its value (teacher-forced, stage 6: first value token right in 0.925 of
+prompts, the whole value in 0.30), while the shipped model's MTP head, one more full-attention layer
+over the trunk's final states, predicts those tokens almost perfectly (cross entropy 0.0002 against the
+trunk's 0.285). Part of that is structural (the MTP input at each position holds the next token's
+embedding, which makes "copy the token after the match" a one-layer lookup), so it shows the skill is
+learnable here, not that a third trunk attention layer will learn it; the trunk has two attention
+layers of eight, and this gives it a third to try.
 
 The new layer starts as a copy of the trunk's last full-attention layer with its output projections
 zero (attention o_proj, every routed expert's down_proj, the shared expert's down_proj): its residual
