@@ -240,6 +240,9 @@ def bench_experts(b: Bench, quick: bool):
                          for wn, kw, pps, reg in [(2, 1, 4, 0), (4, 1, 4, 0), (2, 1, 2, 0), (1, 1, 8, 0), (2, 1, 8, 0),
                                                   (1, 1, 16, 0), (4, 1, 2, 0)][: 7 if t_tokens == 1 else 3]]
                 cfgs.append(("tc qblk (repacked weights), its default config", {"tc": True, "qblk": True}))
+                # experiment: steps software-pipelined through shared memory (cp.async), no register buffers
+                cfgs += [(f"tc stages{st} WN2 pps{pps}", {"tc": True, "WN": 2, "KW": 1, "stages": st, "programs_per_sm": pps})
+                         for st, pps in [(3, 4), (4, 4), (3, 2)]]
             b.try_configs("experts_gate_up", shape_gu, gu_total, make_gu, cfgs)
             b.try_configs("experts_down", shape_dn, dn_total, make_dn, cfgs)
         # baseline: the same experts as BF16, pre-gathered, one cuBLAS batched GEMV (bmm)

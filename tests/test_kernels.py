@@ -282,6 +282,7 @@ def test_experts_down_adds_shared_and_residual_interpreter(t, config):
 @pytest.mark.parametrize("t,config", [
     (1, {"tc": True}),
     (3, {"tc": True, "SPLIT_K": 2}),   # shared experts among tokens, split K
+    (2, {"tc": True, "stages": 3}),    # the software-pipelined loop (experiment)
 ])
 def test_experts_tc_interpreter(t, config):
     """The grouped experts on the int4_tc path (group 128, fp16), asm emulated."""
@@ -303,6 +304,8 @@ def test_experts_gpu_split_and_mma():
     check_experts(1, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": False})
     check_experts(3, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": True, "WN": 4, "KW": 2, "SPLIT_K": 1})
     check_experts(16, 64, 3072, 1024, 8, 128, torch.float16, GPU, config={"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 5})
+    for t in (1, 4):  # the software-pipelined loop (experiment, config "stages")
+        check_experts(t, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": True, "stages": 3})
     for t in (1, 4):  # the fused MoE block's epilogue at real sizes, default configs
         check_experts(t, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, extra=True)
 

@@ -681,7 +681,7 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     expert_common = {"T": "i32", "GROUPS": "i32", "GPS": "i32", "QW_E": "i32", "QZ_E": "i32", "SC_E": "i32", "TOPK": "constexpr",
                      "TOPKP": "constexpr", "CH": "constexpr", "WN": "constexpr", "KW": "constexpr", "SYM": "constexpr",
                      "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr", "QBLK": "constexpr",
-                     "PDL": "constexpr"}
+                     "PDL": "constexpr", "STAGES": "constexpr"}
     gate_up_sig = {"x32_ptr": "*i32", "ids_ptr": "*i64", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "act_ptr": "*bf16",
                    "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", **expert_common}
     down_sig = {"act32_ptr": "*i32", "ids_ptr": "*i64", "wts_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16",
@@ -697,9 +697,10 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
                   {"WN": 4, "KW": 1, "SYM": False, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": False, "PDL": True,
                    "STAGES": 3}))
     cases += [(name, fn, sig, {"TOPK": 8, "TOPKP": 8, "CH": ch, "WN": wn, "KW": 1, "SYM": sym, "BF16": True, "SPLITP": 8,
-                               "EMULATE": False, "QBLK": qblk, "PDL": True})
+                               "EMULATE": False, "QBLK": qblk, "PDL": True, "STAGES": stages})
               for name, fn, sig in [("gate_up", _gate_up_tc_kernel, gate_up_sig), ("down", _down_tc_kernel, down_sig)]
-              for wn, ch, sym, qblk in [(1, 1, True, False), (2, 4, False, False), (2, 1, True, True)]]
+              for wn, ch, sym, qblk, stages in [(1, 1, True, False, 1), (2, 4, False, False, 1), (2, 1, True, True, 1),
+                                                (2, 1, True, False, 3)]]
     for case in cases:  # the down kernel's epilogue as the fused MoE block runs it (shared expert and residual added)
         if case[0] == "down":
             case[3].update(SHARED=True, RESIDUAL=True)
