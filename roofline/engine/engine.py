@@ -262,11 +262,12 @@ class Engine:
             [s.generator for s in active],
         )
         events = []
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # one device read each, not one per sequence
         for i, seq in enumerate(active):
             if seq.draft is not None:  # the MTP head will see these positions before its next draft
                 rows = hidden[ends[i] - len(pending[i]) : ends[i]].clone()  # a graph's output buffer is reused
-                self.speculator.extend(seq.draft, rows, pending[i], int(tokens[i]))
-            events.append((seq, self._append(seq, int(tokens[i]), float(logprobs[i]), top[i])))
+                self.speculator.extend(seq.draft, rows, pending[i], tokens[i])
+            events.append((seq, self._append(seq, tokens[i], logprobs[i], top[i])))
         return self._retire(events)
 
     def _speculative_step(self, active: list[Sequence]) -> list[tuple[Sequence, TokenEvent]]:
