@@ -40,6 +40,7 @@ from .int4_gemv import (
 )
 from .int4_tc import (
     GROUP,
+    STAGES_DEFAULT,
     default_tc_config,
     lane_index,
     launch_options,
@@ -513,6 +514,7 @@ def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
             cfg = {"WN": 1, "KW": 1, "programs_per_sm": 8.0} if t == 1 else {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
         else:
             cfg = {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
+        cfg["stages"] = STAGES_DEFAULT
     cfg.update(config or {})
     return cfg
 

@@ -46,12 +46,17 @@ DGX Spark sm_121); registers only, no shared memory beyond Triton's cross-warp r
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, wait_for_inputs
 
+# The staged loop (config "stages") for every default tc config, GEMV and experts: an A/B knob for the
+# end-to-end benchmark while the staged loop is an experiment (ROOFLINE_INT4_STAGES=3; 1 = the register loop).
+STAGES_DEFAULT = int(os.environ.get("ROOFLINE_INT4_STAGES", "1"))
 GROUP = 128  # the path handles group size 128 (the published checkpoints); others use int4_gemv's lanes path
 
 
@@ -456,7 +461,7 @@ def default_tc_config(m: int, n: int, k: int) -> dict:
     M=4 12.2 vs 17.0; M=1 within 3%)."""
     if INTERPRET:
         return {"WN": 1, "KW": 2, "num_warps": 2}
-    return {"WN": 4, "KW": 1, "programs_per_sm": 4.0 if m == 1 else 2.0}
+    return {"WN": 4, "KW": 1, "programs_per_sm": 4.0 if m == 1 else 2.0, "stages": STAGES_DEFAULT}
 
 
 def tc_geometry(n: int, k: int, cfg: dict, device, tiles_extra: int = 1) -> tuple[int, int, int]:
