@@ -179,9 +179,6 @@ def bench_int4_dense(b: Bench, quick: bool):
                                                       (4, 1, 4, 96), (2, 2, 4, 0)][: 7 if m == 1 else 2]]
                     cfgs.append(("probe: tc loads only, no math, WN4 pps4", {"tc": True, "WN": 4, "KW": 1, "probe_loads_only": True}))
                     cfgs.append(("tc qblk (repacked weights) WN4 pps4", {"tc": True, "WN": 4, "KW": 1, "qblk": True}))
-                    # experiment: steps software-pipelined through shared memory (cp.async), no register buffers
-                    cfgs += [(f"tc stages{st} WN4 pps{pps}", {"tc": True, "WN": 4, "KW": 1, "stages": st, "programs_per_sm": pps})
-                             for st, pps in [(3, 4), (4, 4), (3, 2), (4, 2), (3, 8)]]
                 b.try_configs("int4_gemv", shape, nbytes, make, cfgs)
             t = median_us(make(None))
             base = median_us(Rotor(lambda w: F.linear(x, w), [(w,) for w in dense]))
@@ -240,9 +237,6 @@ def bench_experts(b: Bench, quick: bool):
                          for wn, kw, pps, reg in [(2, 1, 4, 0), (4, 1, 4, 0), (2, 1, 2, 0), (1, 1, 8, 0), (2, 1, 8, 0),
                                                   (1, 1, 16, 0), (4, 1, 2, 0)][: 7 if t_tokens == 1 else 3]]
                 cfgs.append(("tc qblk (repacked weights), its default config", {"tc": True, "qblk": True}))
-                # experiment: steps software-pipelined through shared memory (cp.async), no register buffers
-                cfgs += [(f"tc stages{st} WN2 pps{pps}", {"tc": True, "WN": 2, "KW": 1, "stages": st, "programs_per_sm": pps})
-                         for st, pps in [(3, 4), (4, 4), (3, 2)]]
             b.try_configs("experts_gate_up", shape_gu, gu_total, make_gu, cfgs)
             b.try_configs("experts_down", shape_dn, dn_total, make_dn, cfgs)
         # baseline: the same experts as BF16, pre-gathered, one cuBLAS batched GEMV (bmm)

@@ -110,7 +110,6 @@ def test_int4_matmul_interpreter(m, n, k, group, sym, config):
     (4, 64, 512, True, {"tc": True, "KW": 1, "SPLIT_K": 3}),    # uneven split (odd number of steps in a split)
     (3, 64, 256, False, {"tc": True, "WN": 2, "KW": 1}),        # two 32-column blocks per program
     (2, 64, 768, False, {"tc": True, "KW": 1, "SPLIT_K": 1}),   # 6 steps in one program: the loop runs 3 times
-    (3, 64, 640, False, {"tc": True, "SPLIT_K": 2, "stages": 3}),  # the software-pipelined loop (experiment)
 ])
 def test_int4_tc_interpreter(m, n, k, sym, config):
     """The tensor-core path (int4_tc) with its per-thread asm emulated in plain Triton: loads, column map, split K."""
@@ -212,7 +211,7 @@ def test_int4_matmul_gpu(m, n, k, tc):
 
 @gpu
 @pytest.mark.parametrize("config", [None, {"mma": True}, {"tc": True}, {"tc": True, "WN": 2, "KW": 2, "SPLIT_K": 5},
-                                    {"tc": True, "SPLIT_K": 1}, {"tc": True, "stages": 3}, {"tc": True, "stages": 4, "KW": 2}])
+                                    {"tc": True, "SPLIT_K": 1}])
 @pytest.mark.parametrize("m", [1, 4])
 def test_int4_matmul_gpu_paths(m, config):
     """Default config (the int4_tc path), the lanes path's tensor-core variant, and the int4_tc path (split K, and
@@ -282,7 +281,6 @@ def test_experts_down_adds_shared_and_residual_interpreter(t, config):
 @pytest.mark.parametrize("t,config", [
     (1, {"tc": True}),
     (3, {"tc": True, "SPLIT_K": 2}),   # shared experts among tokens, split K
-    (2, {"tc": True, "stages": 3}),    # the software-pipelined loop (experiment)
 ])
 def test_experts_tc_interpreter(t, config):
     """The grouped experts on the int4_tc path (group 128, fp16), asm emulated."""
@@ -304,8 +302,6 @@ def test_experts_gpu_split_and_mma():
     check_experts(1, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": False})
     check_experts(3, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": True, "WN": 4, "KW": 2, "SPLIT_K": 1})
     check_experts(16, 64, 3072, 1024, 8, 128, torch.float16, GPU, config={"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 5})
-    for t in (1, 4):  # the software-pipelined loop (experiment, config "stages")
-        check_experts(t, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": True, "stages": 3})
     for t in (1, 4):  # the fused MoE block's epilogue at real sizes, default configs
         check_experts(t, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, extra=True)
 

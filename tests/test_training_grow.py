@@ -51,3 +51,19 @@ def test_grown_model_answers_and_drafts_as_the_original_in_roofline(grown):
         outputs.append(seq.output_ids)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 24
     assert mtp_acceptance(engines[0], convs, max_tokens=24) == mtp_acceptance(engines[1], convs, max_tokens=24)
+
+
+def test_training_from_the_grown_model_keeps_its_config(grown, tmp_path):
+    """train.py --init-from writes the checkpoint's own config (it once wrote the default 8-layer one, so the
+    trained 9-layer weights did not load)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "trained"
+    cmd = [sys.executable, "-m", "training.train", "--out", str(out), "--init-from", str(grown), "--steps", "1",
+           "--bench-steps", "0", "--batch", "1", "--row-len", "256", "--docs", "16", "--max-facts", "6",
+           "--workers", "1", "--no-eval", "--device", "cpu"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["num_hidden_layers"] == 9 and saved["layer_types"][-1] == "full_attention"
+    Engine.from_pretrained(str(out), device="cpu", dtype="float32")  # every tensor has its place

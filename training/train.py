@@ -563,6 +563,9 @@ def main(argv=None):
     tok = Tokenizer.from_file(str(tok_path))
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
     cfg = tiny_config_dict(tok.get_vocab_size(), eos)
+    if args.init_from:  # the checkpoint's own config (a grown model has more layers than the default one)
+        cfg = {k: v for k, v in json.loads((Path(args.init_from) / "config.json").read_text()).items()
+               if k != "transformers_version"}
     args.eos_ids = eos
 
     mix = dict((k, float(v)) for k, v in (kv.split("=") for kv in args.mix.split(","))) if args.mix else None

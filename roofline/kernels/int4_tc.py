@@ -46,17 +46,12 @@ DGX Spark sm_121); registers only, no shared memory beyond Triton's cross-warp r
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, wait_for_inputs
 
-# The staged loop (config "stages") for every default tc config, GEMV and experts: an A/B knob for the
-# end-to-end benchmark while the staged loop is an experiment (ROOFLINE_INT4_STAGES=3; 1 = the register loop).
-STAGES_DEFAULT = int(os.environ.get("ROOFLINE_INT4_STAGES", "1"))
 GROUP = 128  # the path handles group size 128 (the published checkpoints); others use int4_gemv's lanes path
 
 
@@ -278,7 +273,7 @@ def _step_math(q0, q1, q2, q3, s, u0, u1, u2, u3, su, x0, x1, x2, x3, grp, qz_pt
 def tc_groups(
     x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, col2, N, g_start, g_end,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
-    EMULATE: tl.constexpr, GROUPS=1, QBLK: tl.constexpr = False, PDL: tl.constexpr = False, STAGES: tl.constexpr = 1,
+    EMULATE: tl.constexpr, GROUPS=1, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Partial products over quantisation groups [g_start, g_end) for up to 8 token rows.
 
@@ -304,11 +299,6 @@ def tc_groups(
     out_proj 9.0 (9.6), experts down 8.5 (9.1). Four weight steps in flight (a ring of four buffers,
     145 registers) were slower in every configuration swept (11.5-11.9 us): fewer programs fit per
     SM. Loads past the end are masked off (no fill value: their registers are never used).
-
-    STAGES > 1 (experiment, opt-in by config "stages"; not yet timed on a GPU): one step an iteration in a
-    `tl.range(num_stages=STAGES)` loop, which Triton software-pipelines with asynchronous copies into
-    shared memory (cp.async, STAGES - 1 steps in flight, no register buffers). PDL's early weight loads are
-    lost: the wait comes before the loop.
     """
     MB: tl.constexpr = 128.0 if BF16 else 1024.0
     L: tl.constexpr = 32 * WN * KW
@@ -335,18 +325,6 @@ def tc_groups(
     y1 = tl.zeros([L, 4], dtype=tl.float32)
     u0 = tl.zeros([L, 4], dtype=tl.float32)
     u1 = tl.zeros([L, 4], dtype=tl.float32)
-    if STAGES > 1:
-        wait_for_inputs(PDL)
-        for g0 in tl.range(g_start, g_end, KW, num_stages=STAGES):
-            ga = g0 + kw  # every warp row has a group: g_end - g_start is a multiple of KW
-            q0, q1, q2_, q3, sa, v0, v1, v2, v3, sv = _load_weights(qp, sp, q2, col2, R4, ga < g_end, DUAL)
-            x0, x1, x2, x3 = _load_x(xp, ga < g_end)
-            y0, y1, u0, u1 = _step_math(q0, q1, q2_, q3, sa, v0, v1, v2, v3, sv, x0, x1, x2, x3, ga, qz_ptr, col, col2,
-                                        N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE)
-            qp += QSTEP
-            sp += SSTEP
-            xp += XSTEP
-        return y0, y1, u0, u1
     qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua = _load_weights(qp, sp, q2, col2, R4, grp < g_end, DUAL)
     qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub = _load_weights(qp + QSTEP, sp + SSTEP, q2, col2, R4,
                                                                     grp + KW < g_end, DUAL)
@@ -396,7 +374,6 @@ def _gemv_tc_kernel(
     M, N, K2, GROUPS, GPS,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr,
     SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
-    STAGES: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -406,7 +383,7 @@ def _gemv_tc_kernel(
     g_start = pid_k * GPS
     g_end = tl.minimum(g_start + GPS, GROUPS)
     y0, y1, _, _ = tc_groups(x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, 0, N, g_start, g_end,
-                             WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, PDL, STAGES)
+                             WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, PDL)
     y0 = sum_warp_rows(y0, WN, KW)
     y1 = sum_warp_rows(y1, WN, KW)
     tok, col = out_index(colbase, WN)
@@ -461,7 +438,7 @@ def default_tc_config(m: int, n: int, k: int) -> dict:
     M=4 12.2 vs 17.0; M=1 within 3%)."""
     if INTERPRET:
         return {"WN": 1, "KW": 2, "num_warps": 2}
-    return {"WN": 4, "KW": 1, "programs_per_sm": 4.0 if m == 1 else 2.0, "stages": STAGES_DEFAULT}
+    return {"WN": 4, "KW": 1, "programs_per_sm": 4.0 if m == 1 else 2.0}
 
 
 def tc_geometry(n: int, k: int, cfg: dict, device, tiles_extra: int = 1) -> tuple[int, int, int]:
@@ -499,8 +476,8 @@ def int4_matmul_tc(x: torch.Tensor, qweight, qzeros, scales, *, sym: bool, out=N
         x2.view(torch.int32), qweight, qzeros, scales, out, ws, cnt, m, n, k // 2, k // GROUP, gps,
         WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym), BF16=x.dtype == torch.bfloat16, SPLIT_K=split,
         SPLITP=max(4, next_pow2(split)), EMULATE=None if cfg.get("probe_loads_only") else INTERPRET,
-        QBLK=bool(cfg.get("qblk")), num_warps=cfg["WN"] * cfg["KW"], num_stages=1, STAGES=cfg.get("stages", 1),
-        **launch_options(cfg), **pdl_options(x.device),
+        QBLK=bool(cfg.get("qblk")), num_warps=cfg["WN"] * cfg["KW"], num_stages=1, **launch_options(cfg),
+        **pdl_options(x.device),
     )
     return out.reshape(*lead, n)
 
@@ -682,30 +659,25 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     gemv_sig = {"x32_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
                 "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K2": "i32", "GROUPS": "i32", "GPS": "i32", "WN": "constexpr",
                 "KW": "constexpr", "SYM": "constexpr", "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr",
-                "EMULATE": "constexpr", "QBLK": "constexpr", "PDL": "constexpr", "STAGES": "constexpr"}
+                "EMULATE": "constexpr", "QBLK": "constexpr", "PDL": "constexpr"}
     expert_common = {"T": "i32", "GROUPS": "i32", "GPS": "i32", "QW_E": "i32", "QZ_E": "i32", "SC_E": "i32", "TOPK": "constexpr",
                      "TOPKP": "constexpr", "CH": "constexpr", "WN": "constexpr", "KW": "constexpr", "SYM": "constexpr",
                      "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr", "QBLK": "constexpr",
-                     "PDL": "constexpr", "STAGES": "constexpr"}
+                     "PDL": "constexpr"}
     gate_up_sig = {"x32_ptr": "*i32", "ids_ptr": "*i64", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "act_ptr": "*bf16",
                    "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", **expert_common}
     down_sig = {"act32_ptr": "*i32", "ids_ptr": "*i64", "wts_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16",
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "sh_ptr": "*bf16", "sg_ptr": "*bf16", "SG_STRIDE": "i32",
                 "res_ptr": "*bf16", "SHARED": "constexpr", "RESIDUAL": "constexpr", "I2": "i32", "H": "i32", **expert_common}
     cases = [("gemv", _gemv_tc_kernel, gemv_sig, {"WN": wn, "KW": kw, "SYM": sym, "BF16": True, "SPLITP": 4, "EMULATE": False,
-                                                  "QBLK": False, "PDL": True, "STAGES": 1})
+                                                  "QBLK": False, "PDL": True})
              for wn, kw, sym in [(4, 1, True), (4, 1, False), (2, 2, True)]]
     cases.append(("gemv qblk", _gemv_tc_kernel, gemv_sig,
-                  {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": True, "PDL": True,
-                   "STAGES": 1}))
-    cases.append(("staged gemv", _gemv_tc_kernel, gemv_sig,  # its loads come after the wait: no prefetch check
-                  {"WN": 4, "KW": 1, "SYM": False, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": False, "PDL": True,
-                   "STAGES": 3}))
+                  {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": True, "PDL": True}))
     cases += [(name, fn, sig, {"TOPK": 8, "TOPKP": 8, "CH": ch, "WN": wn, "KW": 1, "SYM": sym, "BF16": True, "SPLITP": 8,
-                               "EMULATE": False, "QBLK": qblk, "PDL": True, "STAGES": stages})
+                               "EMULATE": False, "QBLK": qblk, "PDL": True})
               for name, fn, sig in [("gate_up", _gate_up_tc_kernel, gate_up_sig), ("down", _down_tc_kernel, down_sig)]
-              for wn, ch, sym, qblk, stages in [(1, 1, True, False, 1), (2, 4, False, False, 1), (2, 1, True, True, 1),
-                                                (2, 1, True, False, 3)]]
+              for wn, ch, sym, qblk in [(1, 1, True, False), (2, 4, False, False), (2, 1, True, True)]]
     for case in cases:  # the down kernel's epilogue as the fused MoE block runs it (shared expert and residual added)
         if case[0] == "down":
             case[3].update(SHARED=True, RESIDUAL=True)
@@ -719,8 +691,6 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
                                   options={"num_warps": warps, "num_stages": 1})
         found = layouts(compiled.asm["ttgir"])
         problems += pdl_problems(name, compiled.asm["ptx"], prefetch=name.startswith("gemv"))
-        if consts.get("STAGES", 1) > 1 and "cp.async" not in compiled.asm["ptx"]:
-            problems.append(f"{name}: STAGES={consts['STAGES']} but no asynchronous copies (cp.async) in the PTX")
         if not found:
             problems.append(f"{name} {consts}: no inline asm found")
         problems += [f"{name} {consts}: {lay}" for lay in found if not good(lay)]
