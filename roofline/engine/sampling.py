@@ -136,16 +136,20 @@ class Sampler:
 
         generators[i] drives row i's randomness (None: torch's global generator; greedy
         rows draw nothing). Logprobs are of the raw, unmodified distribution."""
-        probs = self.probabilities(logits, params_list, token_histories, prompt_lens)
-        token_ids = probs.argmax(dim=-1)  # final for greedy (one-hot) rows
+        logits32 = logits.float()
+        scores = _apply_penalties(logits32, params_list, token_histories, prompt_lens)
+        # Greedy rows: the argmax itself (lowest index on ties, as `probabilities`' one-hot), with no [B, V]
+        # one-hot or log-softmax written: this runs once per decoded token.
+        token_ids = scores.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params_list) if not p.greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=probs.device)
-            token_ids[rows] = _draw(probs[rows], [generators[i] for i in sampled_rows])
+            rows = torch.tensor(sampled_rows, device=scores.device)
+            probs = _filtered_probs(scores[rows], [params_list[i] for i in sampled_rows])
+            token_ids[rows] = _draw(probs, [generators[i] for i in sampled_rows])
 
-        raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
-        return SampleResult(token_ids, logprobs, top_logprobs(raw_logprobs, params_list))
+        log_z = torch.logsumexp(logits32, dim=-1, keepdim=True)
+        logprobs = (logits32.gather(1, token_ids[:, None]) - log_z).squeeze(1)
+        return SampleResult(token_ids, logprobs, top_logprobs(logits32, log_z, params_list))
 
 
 def _apply_penalties(logits, params_list, token_histories, prompt_lens) -> torch.Tensor:
@@ -213,13 +217,15 @@ def _apply_top_k_top_p(scores, top_k, top_p) -> torch.Tensor:
     return torch.empty_like(scores).scatter_(1, order, sorted_scores)
 
 
-def top_logprobs(raw_logprobs, params_list) -> list[list[tuple[int, float]] | None]:
+def top_logprobs(logits, log_z, params_list) -> list[list[tuple[int, float]] | None]:
+    """Each row's requested top-k (id, raw log-probability); log_z [B, 1] is the rows' logsumexp (the
+    log-softmax's top-k is the logits' top-k less log_z), 0 where `logits` are log-probabilities already."""
     wanted = [p.logprobs for p in params_list]
-    k_max = min(max((k for k in wanted if k), default=0), raw_logprobs.shape[-1])
+    k_max = min(max((k for k in wanted if k), default=0), logits.shape[-1])
     if k_max == 0:
         return [None if k is None else [] for k in wanted]
-    values, ids = raw_logprobs.topk(k_max, dim=-1)
-    values, ids = values.tolist(), ids.tolist()
+    values, ids = logits.topk(k_max, dim=-1)
+    values, ids = (values - log_z).tolist(), ids.tolist()
     return [
         None if k is None else list(zip(ids[row][:k], values[row][:k]))
         for row, k in enumerate(wanted)

@@ -220,7 +220,7 @@ class MtpSpeculator:
                 self.drafted[j] += 1
                 self.accepted[j] += int(j < accepted)
             positions = [i * (self.k + 1) + j for j in range(len(tokens))]
-            top = top_logprobs(raw[positions], [p_params] * len(tokens))
+            top = top_logprobs(raw[positions], 0.0, [p_params] * len(tokens))  # raw: log-probabilities already
             results.append(Verified(tokens, [float(raw[r, t]) for r, t in zip(positions, tokens)], top, self.k, accepted))
             keep(i, 1 + accepted)  # the last token and the accepted drafts; the bonus token is pending
             states[i].pending_hidden = hidden[positions]
