@@ -277,7 +277,9 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     save_conv = step_conv is not None and m > 1
     kernel = conv_state.shape[1] + 1
     group = hv // num_k_heads
-    bv = block_v or (16 if not INTERPRET else 8)  # 512 programs per sequence at 122B shapes
+    # 512 programs per sequence at 122B shapes; the interpreter runs programs one after another, so there one
+    # V block per head (the split-V path is tested with an explicit block_v)
+    bv = block_v or (16 if not INTERPRET else next_pow2(dv))
     nvb = triton.cdiv(dv, bv)
     if out is None:
         out = torch.empty(n, hv * dv, dtype=qkv.dtype, device=qkv.device)
