@@ -52,6 +52,20 @@ def test_all_tasks_and_both_thinking_modes_appear():
     assert {c["enable_thinking"] for c in convs} == {True, False}
 
 
+def test_mix_names_tasks_and_weights():
+    """train.py --mix: known task names with weights >= 0, told apart from typos before any training starts."""
+    assert tasks.parse_mix("") is None
+    assert tasks.parse_mix("arithmetic=0.3,arithmetic_no_thinking=0.1") == {"arithmetic": 0.3, "arithmetic_no_thinking": 0.1}
+    for bad, says in [("arithmetic=0.3,bogus=1", "unknown task 'bogus'"), ("recall", "not task=weight"),
+                      ("recall=-1", "not task=weight"), ("recall=x", "not task=weight"), ("recall=0", "sum to 0")]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            tasks.parse_mix(bad)
+    gen = TaskGenerator(seed=3, mix=tasks.parse_mix("arithmetic_no_thinking=1"))
+    convs = [gen.sample() for _ in range(30)]
+    assert all(c["task"] == "arithmetic" and not c["enable_thinking"] and not c["messages"][-1]["reasoning_content"]
+               for c in convs)
+
+
 def test_heldout_is_disjoint_from_train():
     train = [TaskGenerator(seed=1, split="train").sample() for _ in range(1)]
     g_tr, g_ho = TaskGenerator(seed=1, split="train"), TaskGenerator(seed=1, split="heldout")

@@ -34,10 +34,31 @@ import random
 SPLIT_SALT = "roofline-tiny-v1"
 HELDOUT_PER_MILLE = 100
 
-TASKS = ("arithmetic", "recall", "tool", "chat", "recall_multi", "copy")
+TASKS = ("arithmetic", "arithmetic_no_thinking", "recall", "tool", "chat", "recall_multi", "copy")
 # recall_multi and copy (extra copying signal) have weight 0 here so that the default stream
 # stays the one the first training stage used; the second stage turns them on with --mix.
 DEFAULT_MIX = {"arithmetic": 0.46, "recall": 0.30, "tool": 0.14, "chat": 0.10, "recall_multi": 0.0, "copy": 0.0}
+
+
+def parse_mix(text: str) -> dict | None:
+    """A task mix from `name=weight,...` (train.py --mix); None for an empty string (the default mix)."""
+    if not text:
+        return None
+    mix = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        if name not in TASKS:
+            raise ValueError(f"unknown task {name!r} in {text!r} (tasks: {', '.join(TASKS)})")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not sep or not weight >= 0:  # also catches nan
+            raise ValueError(f"{part!r} in {text!r} is not task=weight with a weight >= 0")
+        mix[name] = weight
+    if not sum(mix.values()) > 0:
+        raise ValueError(f"the weights in {text!r} sum to 0")
+    return mix
 
 
 def split_of(key: str) -> str:
@@ -586,6 +607,11 @@ class TaskGenerator:
                 o, a, b = sample_arithmetic_problem(rng)
             return arithmetic_conversation(o, a, b, rng, th)
         return self._draw(make)
+
+    def arithmetic_no_thinking(self) -> dict:
+        """Arithmetic with thinking off, as a mix entry of its own: `arithmetic` draws thinking off a quarter of the
+        time; this weights the one-shot answers up without changing the other tasks' thinking share."""
+        return self.arithmetic(thinking=False)
 
     def recall(self, thinking: bool | None = None, n_facts: int | None = None) -> dict:
         rng = self.rng

@@ -41,6 +41,7 @@ if str(REPO) not in sys.path:
 
 from training.data import generate_docs, pack  # noqa: E402
 from training.model import build_model, save_checkpoint, set_gdn, tiny_config_dict  # noqa: E402
+from training.tasks import TASKS, parse_mix  # noqa: E402
 
 TINY = REPO / "roofline" / "models" / "tiny"
 
@@ -474,6 +475,13 @@ def evaluate_and_record(out, info, args, device, t_start, fh) -> None:
 # --------------------------------------------------------------------------- main
 
 
+
+def mix_arg(text: str) -> dict | None:
+    try:
+        return parse_mix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -502,7 +510,8 @@ def main(argv=None):
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--save-every", type=int, default=0, help="also save the checkpoint every N steps")
     ap.add_argument("--init-from", default="", help="continue training from this checkpoint directory")
-    ap.add_argument("--mix", default="", help="task mix, e.g. arithmetic=0.3,recall=0.5,tool=0.15,chat=0.05")
+    ap.add_argument("--mix", default=None, type=mix_arg,
+                    help="task mix, e.g. arithmetic=0.3,recall=0.5,tool=0.15,chat=0.05 (tasks: " + ", ".join(TASKS) + ")")
     ap.add_argument("--min-facts", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=-1, help="warm-up steps (default 4%% of steps)")
     ap.add_argument("--lr-floor", type=float, default=0.05)
@@ -568,7 +577,7 @@ def main(argv=None):
                if k != "transformers_version"}
     args.eos_ids = eos
 
-    mix = dict((k, float(v)) for k, v in (kv.split("=") for kv in args.mix.split(","))) if args.mix else None
+    mix = args.mix
     if args.stream:
         run_stream(args, cfg, tok_path, mix, device, out, fh, t_start)
         return
