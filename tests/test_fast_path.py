@@ -66,3 +66,13 @@ def test_fast_path_logits_close_in_bfloat16(hybrid):
     step = torch.tensor([42], device="cuda")
     a, b = ref.logits(ref(step, [1], [c1])), fast.logits(fast(step, [1], [c2]))
     assert (a - b).abs().max() / a.abs().max() < 3e-2
+
+
+def test_block_repacked_int4_gives_the_same_tokens(hybrid, monkeypatch):
+    """ROOFLINE_INT4_QBLK=1 (qweights block-repacked at load): the same kernels' math on another weight order, so the
+    same greedy tokens in bfloat16 as the GPTQ order."""
+    plain = Engine.from_pretrained(str(hybrid), device="cuda", dtype="bfloat16")
+    monkeypatch.setenv("ROOFLINE_INT4_QBLK", "1")
+    blocked = Engine.from_pretrained(str(hybrid), device="cuda", dtype="bfloat16")
+    assert any(getattr(m, "blocked", False) for m in blocked.model.modules()), "nothing was block-repacked"
+    assert greedy(blocked) == greedy(plain)

@@ -153,13 +153,13 @@ def test_int4_tc_asm_fragments(bf16):
 
 
 def check_repacked(n, k, e, h, i, dtype, device, tol):
-    """The tc kernels on block-repacked weights (int4_tc.repack_blocks, config "qblk"): GEMV, gate_up, down."""
-    from roofline.kernels.int4_tc import repack_blocks
+    """The tc kernels on block-repacked weights (quant.int4.block_qweight, config "qblk"): GEMV, gate_up, down."""
+    from roofline.quant.int4 import block_qweight
 
     torch.manual_seed(11)
     qw, qz, sc = random_int4(n, k, 128, False, device)
     x = torch.randn(3, k, device=device).to(dtype)
-    y = int4_matmul(x, repack_blocks(qw), qz, sc, 128, sym=False, config={"tc": True, "qblk": True, "WN": 2, "SPLIT_K": 2})
+    y = int4_matmul(x, block_qweight(qw), qz, sc, 128, sym=False, config={"tc": True, "qblk": True, "WN": 2, "SPLIT_K": 2})
     assert rel_err(y, int4_matmul_reference(x, qw, qz, sc, 128)) < tol
     topk, t = 3, 2
     gate_up = random_int4(2 * i, h, 128, True, device, e)
@@ -168,10 +168,10 @@ def check_repacked(n, k, e, h, i, dtype, device, tol):
     ids = torch.stack([torch.randperm(e, device=device)[:topk] for _ in range(t)])
     w = torch.softmax(torch.randn(t, topk, device=device), -1).to(dtype)
     cfg = {"tc": True, "qblk": True}
-    act = experts_gate_up(x, ids, repack_blocks(gate_up[0]), gate_up[1], gate_up[2], 128, config=cfg)
+    act = experts_gate_up(x, ids, block_qweight(gate_up[0]), gate_up[1], gate_up[2], 128, config=cfg)
     act_ref = experts_gate_up_reference(x, ids, *gate_up, 128)
     assert rel_err(act, act_ref) < tol
-    out = experts_down(act_ref, ids, w, repack_blocks(down[0]), down[1], down[2], 128, config=cfg)
+    out = experts_down(act_ref, ids, w, block_qweight(down[0]), down[1], down[2], 128, config=cfg)
     assert rel_err(out, experts_down_reference(act_ref, ids, w, *down, 128)) < tol
 
 

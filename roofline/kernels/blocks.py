@@ -24,7 +24,7 @@ import torch
 from ..model.layers import MLP, DecoderLayer, SparseMoE
 from ..quant import DenseWeight, Fp8BlockWeight
 from ._common import beside
-from .dispatch import MAX_DECODE_ROWS, row_count
+from .dispatch import MAX_DECODE_ROWS, int4_config, row_count
 from .small_ops import add_rms_norm, route_top_k, silu_mul
 
 
@@ -69,10 +69,11 @@ def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residu
     shared_out, join = beside(x.device, lambda: moe.shared_expert(x).contiguous())
     experts, weights, gate_logit = _route(moe, x)
     gate_up, down = moe.experts.gate_up, moe.experts.down
-    act = experts_gate_up(x, experts, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size, sym=syms[0])
+    act = experts_gate_up(x, experts, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size, sym=syms[0],
+                          config=int4_config(gate_up))
     join()
     return experts_down(act, experts, weights, down.qweight, down.qzeros, down.scales, down.group_size, sym=syms[1],
-                        shared=shared_out, shared_gate=gate_logit,
+                        config=int4_config(down), shared=shared_out, shared_gate=gate_logit,
                         residual=None if residual is None else residual.contiguous())
 
 

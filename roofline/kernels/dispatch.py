@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..model.layers import MLP, DecoderLayer, Experts, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
 from ..quant import DenseWeight, Fp8BlockWeight, Int4Weight, LinearWeight
+from ..quant.int4 import block_qweight
 from ..quant.int8 import Int8RowWeight
 
 log = logging.getLogger("roofline.kernels")
@@ -35,11 +36,17 @@ def row_count(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
+def int4_config(weight: Int4Weight) -> dict | None:
+    """The kernel config a call on this weight needs: {"qblk": True} where its qweight is block-repacked."""
+    return {"qblk": True} if weight.blocked else None
+
+
 def _int4(weight: Int4Weight, sym: bool, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
     if 1 <= row_count(x) <= MAX_DECODE_ROWS:
         from .int4_gemv import int4_matmul
 
-        return int4_matmul(x, weight.qweight, weight.qzeros, weight.scales, weight.group_size, sym=sym)
+        return int4_matmul(x, weight.qweight, weight.qzeros, weight.scales, weight.group_size, sym=sym,
+                           config=int4_config(weight))
     return LinearWeight.forward(weight, x, expert)
 
 
@@ -73,8 +80,10 @@ def _experts(module: Experts, syms: tuple[bool, bool], x, top_experts, top_weigh
     from .int4_experts import experts_down, experts_gate_up
 
     gate_up, down = module.gate_up, module.down
-    act = experts_gate_up(x, top_experts, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size, sym=syms[0])
-    return experts_down(act, top_experts, top_weights, down.qweight, down.qzeros, down.scales, down.group_size, sym=syms[1])
+    act = experts_gate_up(x, top_experts, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size, sym=syms[0],
+                          config=int4_config(gate_up))
+    return experts_down(act, top_experts, top_weights, down.qweight, down.qzeros, down.scales, down.group_size, sym=syms[1],
+                        config=int4_config(down))
 
 
 # One-launch RMSNorm, router and attention prologue (small_ops.py; checked on an H200 by tests/test_small_ops.py).
@@ -202,6 +211,58 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
                  "16-bit nor block FP8 with a decode kernel", apart)
 
 
+# INT4 qweights block-repacked at load for the tensor-core kernels (quant.int4.block_qweight): each warp-step 2 KB
+# contiguous. Opt-in (ROOFLINE_INT4_QBLK=1) until an end-to-end A/B on the H200 decides: the kernel sweep of run 9
+# had in_proj_qkv M=1 8.9 against 11.3 us and experts gate_up T=1 15.6 against 18.4 (benchmarks/NOTES-kernels.md).
+QBLK_ENV = "ROOFLINE_INT4_QBLK"
+
+
+def _blockable(weight: Int4Weight, dtype: torch.dtype) -> bool:
+    """Whether every decode call on this weight takes the tensor-core path, the only one that reads the blocked order:
+    16-bit activations, group 128, K and N multiples of 128 (any of the kernels' column tiles divides N)."""
+    return (dtype in (torch.bfloat16, torch.float16) and weight.group_size == 128 and weight.in_features % 128 == 0
+            and weight.out_features % 128 == 0)
+
+
+def _block(weight: Int4Weight) -> None:
+    weight.qweight = block_qweight(weight.qweight)  # one tensor's copy at a time; the old one is freed
+    weight.blocked = True
+
+
+def _block_int4_weights(model: torch.nn.Module, dtype: torch.dtype, installed: Counter) -> None:
+    """Reorder the INT4 qweights the tensor-core kernels read (`QBLK_ENV`). A merged projection is reordered as a
+    whole and its parts become views of it again: a part's 32-column blocks are whole rows of the blocked order."""
+    seen: set[int] = set()
+    count = 0
+    for module in model.modules():
+        for proj in getattr(module, "merged", {}).values():
+            whole = proj.merged
+            if whole is not None:  # its parts are views of it: they go with it or stay as they are
+                seen.update(id(p) for p in proj.parts)
+            if not isinstance(whole, Int4Weight) or not _blockable(whole, dtype) or any(n % 32 for n in proj.sizes):
+                continue
+            _block(whole)
+            rows = whole.qweight.view(whole.out_features // 32, -1)
+            start = 0
+            for part, size in zip(proj.parts, proj.sizes):
+                part._buffers["qweight"] = rows[start // 32 : (start + size) // 32].view(whole.in_features // 8, size)
+                part.blocked = True
+                start += size
+            count += 1
+    for module in model.modules():
+        if isinstance(module, Experts) and isinstance(module.forward, partial) and module.forward.func is _experts:
+            for weight in (module.gate_up, module.down):
+                if _blockable(weight, dtype):
+                    _block(weight)
+                    count += 1
+                seen.add(id(weight))
+        elif isinstance(module, Int4Weight) and id(module) not in seen and not module.num_experts and _blockable(module, dtype):
+            _block(module)
+            count += 1
+    if count:
+        installed["int4 weights block-repacked"] += count
+
+
 def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPath:
     """Install the Triton decode kernels on `model`; `allow_cpu` (tests) runs them in Triton's interpreter."""
     result = FastPath()
@@ -254,6 +315,8 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
     if installed["gdn decode"] and not fla and device.type == "cuda":
         log.warning("GDN prefill runs the PyTorch loop over tokens: fla-core is not installed (pip install 'roofline[gpu]')")
     _install_merged_projections(model, installed)
+    if os.environ.get(QBLK_ENV) == "1":
+        _block_int4_weights(model, model.dtype, installed)
     if FUSED_SMALL_OPS:
         _install_blocks(model, installed)
     if device.type == "cuda":

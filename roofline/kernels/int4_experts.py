@@ -35,6 +35,7 @@ from .int4_gemv import (
     int4_group_mma,
     int4_matmul_reference,
     is_symmetric,
+    refuse_blocked,
     rows_per_step,
     use_tc,
 )
@@ -287,6 +288,7 @@ def experts_gate_up(x: torch.Tensor, ids: torch.Tensor, qweight, qzeros, scales,
     # vs 16.8 on the lanes path)
     if _tc_path(x, inter, k, group_size, t, config, (qweight, qzeros, scales)):
         return _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, counters)
+    refuse_blocked(config, f"experts_gate_up on {t} {x.dtype} tokens")
     cfg = _config(t, inter, group_size, config)
     ch = _chunk(t, cfg["mma"])
     chunks = triton.cdiv(t, ch)
@@ -318,6 +320,7 @@ def experts_down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qw
     extra = _extra_terms(act, t, h, shared, shared_gate, residual)
     if _tc_path(act, h, inter, group_size, t, config, (qweight, qzeros, scales), down=True):
         return _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters, extra)
+    refuse_blocked(config, f"experts_down on {t} {act.dtype} tokens")
     cfg = _config(t, h, group_size, config)
     ch = _chunk(t, cfg["mma"])
     chunks = triton.cdiv(t, ch)

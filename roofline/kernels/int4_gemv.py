@@ -302,6 +302,13 @@ def _launch_geometry(n, k, cfg, device, tiles_extra: int = 1):
 TC_DEFAULT = os.environ.get("ROOFLINE_INT4_TC", "1") != "0"
 
 
+def refuse_blocked(config: dict | None, call: str) -> None:
+    """A block-repacked qweight (config "qblk") is read by the tensor-core path only: fail loudly, not wrongly."""
+    if (config or {}).get("qblk"):
+        raise ValueError(f"{call}: the qweight is block-repacked (ROOFLINE_INT4_QBLK), which only the tensor-core "
+                         "path reads, and that path does not apply to this call")
+
+
 def use_tc(config: dict | None) -> bool:
     """Whether a call may take the tensor-core path: config "tc" if given, else TC_DEFAULT unless the config
     names a lanes-path setting."""
@@ -328,6 +335,7 @@ def int4_matmul(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128,
         wn = (config or {}).get("WN", default_tc_config(m, n, k)["WN"])
         if tc_supported(x2, n, k, group_size, wn, (qweight, qzeros, scales)):
             return int4_matmul_tc(x, qweight, qzeros, scales, sym=sym, out=out, config=config, counters=counters)
+    refuse_blocked(config, f"int4_matmul [{n}, {k}] on {m} {x.dtype} rows")
     cfg = default_config(m, n, k, group_size)
     cfg.update({key: val for key, val in (config or {}).items() if key != "tc"})
     if group_size % (8 * cfg["ROWS"]):

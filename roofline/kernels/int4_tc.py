@@ -307,7 +307,7 @@ def tc_groups(
     col = colbase + 32 * wn + 4 * g + v  # [L, 4] word columns, also the result columns
     grp = g_start + kw  # [L, 1]
     kp = grp * 16 + t  # packed row of k-step 0
-    if QBLK:  # qweight repacked by `repack_blocks`: [N/32, K/128, 16, 32], one warp-step = 2 KB contiguous
+    if QBLK:  # qweight in quant.int4.block_qweight's order: [N/32, K/128, 16, 32], one warp-step = 2 KB contiguous
         qp = qw_ptr + ((((colbase + 32 * wn) // 32) * GROUPS + grp) * 16 + t) * 32 + 4 * g + v
         R4 = 128
         QSTEP = 512 * KW
@@ -480,21 +480,6 @@ def int4_matmul_tc(x: torch.Tensor, qweight, qzeros, scales, *, sym: bool, out=N
         **pdl_options(x.device),
     )
     return out.reshape(*lead, n)
-
-
-def repack_blocks(qweight: torch.Tensor) -> torch.Tensor:
-    """EXPERIMENT (config "qblk"): GPTQ qweight [..., K/8, N] -> the same words ordered [..., N/32, K/128, 16, 32].
-
-    Each warp-step of the tc kernels (16 packed rows x 32 columns of one group) becomes 2 KB of
-    contiguous memory instead of 16 runs of 128 bytes N*4 bytes apart. Same shape and size as the
-    input (a view of the permuted copy), so only the tc kernels with config {"qblk": True} can read
-    it; the reference path (Int4Weight.dequantize) cannot. Needs K % 128 == 0 and N % 32 == 0.
-    """
-    *lead, kp, n = qweight.shape
-    blocks = qweight.reshape(*lead, kp // 16, 16, n // 32, 32)
-    nd = blocks.dim()
-    perm = list(range(nd - 4)) + [nd - 2, nd - 4, nd - 3, nd - 1]
-    return blocks.permute(*perm).contiguous().view(qweight.shape)
 
 
 def launch_options(cfg: dict) -> dict:

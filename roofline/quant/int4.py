@@ -6,6 +6,11 @@ Per linear of out N, in K, group g:
   scales  fp16  [K/g, N]
   w[n, k] = (q[k, n] - zero[k//g, n]) * scale[k//g, n]
 Symmetric checkpoints store every zero nibble as 7 (real zero 8).
+
+The CUDA fast path may keep qweight block-repacked (`block_qweight`, opt-in ROOFLINE_INT4_QBLK=1):
+the same words ordered [N/32, K/128, 16, 32], so each warp-step of the tensor-core kernels (16
+packed rows x 32 columns of one group) is 2 KB of contiguous memory. `Int4Weight.blocked` says so,
+and its reference path reads the weight back through `unblock_qweight`.
 """
 
 from __future__ import annotations
@@ -52,6 +57,25 @@ def _to_int32(packed64: torch.Tensor) -> torch.Tensor:
     return torch.where(packed64 >= 2**31, packed64 - 2**32, packed64).to(torch.int32)
 
 
+def block_qweight(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ qweight [..., K/8, N] -> the same words ordered [..., N/32, K/128, 16, 32], returned in the input's shape.
+
+    A column range [32a, 32b) of the result is its rows a..b of the [N/32, ...] order, so a merged
+    projection's parts stay contiguous views of the blocked whole. Needs K % 128 == 0 and N % 32 == 0."""
+    *lead, kp, n = qweight.shape
+    blocks = qweight.reshape(*lead, kp // 16, 16, n // 32, 32)
+    nd = blocks.dim()
+    return blocks.permute(*range(nd - 4), nd - 2, nd - 4, nd - 3, nd - 1).contiguous().view(qweight.shape)
+
+
+def unblock_qweight(blocked: torch.Tensor) -> torch.Tensor:
+    """Inverse of block_qweight: back to the GPTQ order (a new tensor)."""
+    *lead, kp, n = blocked.shape
+    blocks = blocked.reshape(*lead, n // 32, kp // 16, 16, 32)
+    nd = blocks.dim()
+    return blocks.permute(*range(nd - 4), nd - 3, nd - 2, nd - 4, nd - 1).contiguous().view(blocked.shape)
+
+
 def quantize_int4(weight: torch.Tensor, group_size: int = 128, sym: bool = True) -> dict[str, torch.Tensor]:
     """Round-to-nearest INT4 of a [N, K] weight into the published tensors (qweight, qzeros, scales)."""
     n, k = weight.shape
@@ -94,6 +118,7 @@ class Int4Weight(LinearWeight):
                 f"INT4 linear [{out_features}, {in_features}]: K must be divisible by group size {group_size} and 8, N by 8"
             )
         self.group_size = group_size
+        self.blocked = False  # qweight in block_qweight's order (set by the CUDA fast path)
         groups = in_features // group_size
         e = num_experts
         self.register_buffer("qweight", torch.empty(stacked(e, in_features // PACK, out_features), dtype=torch.int32, device=device))
@@ -117,6 +142,8 @@ class Int4Weight(LinearWeight):
 
     def dequantize(self, expert=None):
         qweight, qzeros, scales = self.qweight, self.qzeros, self.scales
+        if self.blocked:
+            qweight = unblock_qweight(qweight)
         if self.num_experts and expert is not None:
             qweight, qzeros, scales = qweight[expert], qzeros[expert], scales[expert]
         q = unpack_rows(qweight)  # [..., K, N]

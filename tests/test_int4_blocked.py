@@ -1,0 +1,105 @@
+"""INT4 qweights block-repacked at load for the tensor-core kernels (ROOFLINE_INT4_QBLK=1, kernels/dispatch.py).
+
+The reference path must read the blocked order back exactly, a merged projection's parts must stay views of the
+blocked whole, and the decode kernels must read it (the interpreter emulates the tensor-core path on the CPU).
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from roofline.kernels.dispatch import _block, _block_int4_weights, install_weight_kernel
+from roofline.kernels.merge import Projections
+from roofline.quant import Int4Weight, quantize_int4
+from roofline.quant.int4 import block_qweight, unblock_qweight
+
+
+def int4(n, k, seed, experts=0):
+    w = Int4Weight(n, k, experts, group_size=128)
+    for e in range(max(experts, 1)):
+        packed = quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(seed + e)), 128, sym=False)
+        for name in ("qweight", "qzeros", "scales"):
+            (getattr(w, name)[e] if experts else getattr(w, name)).copy_(packed[name])
+    return w
+
+
+def no_kernel(weight):
+    return None
+
+
+def holder(parts, solo):
+    """A module tree as the fast path sees it: a merged projection (parts as views) and a weight on its own."""
+    root = torch.nn.Module()
+    for i, p in enumerate(parts):
+        root.add_module(f"part{i}", p)
+    root.add_module("solo", solo)
+    root.merged = {"qkv": Projections(parts, no_kernel)}
+    return root
+
+
+def test_block_order_round_trips_and_keeps_column_blocks_whole():
+    q = torch.randint(-(2**31), 2**31 - 1, (2, 32, 256), dtype=torch.int32)
+    blocked = block_qweight(q)
+    assert blocked.shape == q.shape and not torch.equal(blocked, q)
+    assert torch.equal(unblock_qweight(blocked), q)
+    # columns [64, 160) are rows 2..4 of the blocked order: a part of a merged weight stays one contiguous view
+    assert torch.equal(blocked[1].view(8, -1)[2:5].reshape(32, 96), block_qweight(q[1, :, 64:160].contiguous()))
+
+
+def test_blocked_weights_answer_as_before_and_parts_stay_views():
+    parts = [int4(256, 256, 0), int4(128, 256, 1), int4(128, 256, 2)]
+    solo = int4(128, 384, 3)
+    experts = int4(256, 256, 10, experts=3)
+    x, xs = torch.randn(8, 256), torch.randn(8, 384)  # 8 rows: the reference path (dequantize), which must unblock
+    want = [p(x) for p in parts] + [solo(xs)]
+    want_experts = [experts.dequantize(e) for e in range(3)]
+    root = holder(parts, solo)
+    installed = Counter()
+    _block_int4_weights(root, torch.float16, installed)
+    merged = root.merged["qkv"].merged
+    assert installed["int4 weights block-repacked"] == 2 and merged.blocked and solo.blocked
+    assert all(p.blocked and p.qweight.untyped_storage().data_ptr() == merged.qweight.untyped_storage().data_ptr()
+               for p in parts)
+    got = [p(x) for p in parts] + [solo(xs)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    _block(experts)
+    assert all(torch.equal(experts.dequantize(e), w) for e, w in enumerate(want_experts))
+
+
+def test_what_the_tensor_core_path_cannot_take_stays_in_gptq_order():
+    parts = [int4(256, 256, 0), int4(64, 256, 1)]  # merged N = 320: not a multiple of 128
+    solo = int4(128, 256, 3)
+    root = holder(parts, solo)
+    installed = Counter()
+    _block_int4_weights(root, torch.float32, installed)  # fp32 activations: the lanes path, which reads GPTQ order
+    assert not installed and not solo.blocked
+    _block_int4_weights(root, torch.float16, installed)
+    assert installed["int4 weights block-repacked"] == 1 and solo.blocked and not root.merged["qkv"].merged.blocked
+
+
+def test_decode_kernels_read_blocked_weights_interpreter():
+    """The merged GEMV for 1 and 3 decode rows, in Triton's interpreter, on blocked weights: equal to the reference."""
+    parts = [int4(256, 256, 0), int4(128, 256, 1), int4(128, 256, 2)]
+    root = holder(parts, int4(128, 256, 3))
+    for p in parts:
+        install_weight_kernel(p)
+    merged = root.merged["qkv"].merged
+    install_weight_kernel(merged)
+    xs = [torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).half() for m in (1, 3)]
+    want = [torch.cat([p.dequantize().half().float() for p in parts]) for _ in xs]
+    _block_int4_weights(root, torch.float16, Counter())
+    for x, w in zip(xs, want):
+        ref = (x.float() @ w.t())
+        got = root.merged["qkv"](x)
+        assert all(g.dtype == torch.float16 for g in got)
+        torch.testing.assert_close(torch.cat(got, -1).float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_a_blocked_weight_refuses_the_lanes_path():
+    from roofline.kernels.int4_gemv import int4_matmul
+
+    w = int4(128, 256, 0)
+    _block(w)
+    with pytest.raises(ValueError, match="block-repacked"):
+        int4_matmul(torch.randn(1, 256), w.qweight, w.qzeros, w.scales, 128, config={"qblk": True})  # fp32 rows
