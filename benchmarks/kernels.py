@@ -148,7 +148,7 @@ def int4_bytes(n, k, group=128):
 
 def bench_int4_dense(b: Bench, quick: bool):
     from roofline.kernels.int4_gemv import int4_matmul
-    from roofline.kernels.int4_tc import repack_blocks
+    from roofline.quant.int4 import block_qweight
 
     shapes = {
         "gdn.in_proj_qkv": (12288, 3072), "gdn.in_proj_z": (8192, 3072), "gdn.out_proj": (3072, 8192),
@@ -167,7 +167,7 @@ def bench_int4_dense(b: Bench, quick: bool):
 
             def make(cfg, x=x, sets=sets):
                 if (cfg or {}).get("qblk"):  # experiment: the tc kernel on block-repacked weights
-                    sets = [(repack_blocks(qw), qz, sc) for qw, qz, sc in sets]
+                    sets = [(block_qweight(qw), qz, sc) for qw, qz, sc in sets]
                 return Rotor(lambda qw, qz, sc: int4_matmul(x, qw, qz, sc, 128, sym=True, config=cfg), sets)
 
             if b.sweep:
@@ -196,16 +196,16 @@ def bench_int4_dense(b: Bench, quick: bool):
 
 def bench_experts(b: Bench, quick: bool):
     from roofline.kernels.int4_experts import experts_down, experts_gate_up
-    from roofline.kernels.int4_tc import repack_blocks
+    from roofline.quant.int4 import block_qweight
 
     e, h, inter, topk = 256, HIDDEN, 1024, 8
     gate_up = random_int4(2 * inter, h, experts=e)
     down = random_int4(h, inter, experts=e)
     repacked = []
 
-    def blocked():  # experiment: block-repacked copies of the expert weights (int4_tc.repack_blocks), made once
+    def blocked():  # experiment: block-repacked copies of the expert weights (quant.int4.block_qweight), made once
         if not repacked:
-            repacked.extend([repack_blocks(gate_up[0]), repack_blocks(down[0])])
+            repacked.extend([block_qweight(gate_up[0]), block_qweight(down[0])])
         return repacked
     gu_bytes, dn_bytes = int4_bytes(2 * inter, h), int4_bytes(h, inter)
     for t_tokens in (1, 4) if quick else (1, 2, 4):
