@@ -142,10 +142,10 @@ class Int4Weight(LinearWeight):
 
     def dequantize(self, expert=None):
         qweight, qzeros, scales = self.qweight, self.qzeros, self.scales
-        if self.blocked:
-            qweight = unblock_qweight(qweight)
         if self.num_experts and expert is not None:
             qweight, qzeros, scales = qweight[expert], qzeros[expert], scales[expert]
+        if self.blocked:  # after picking the expert: each expert is blocked on its own, unblock only its words
+            qweight = unblock_qweight(qweight)
         q = unpack_rows(qweight)  # [..., K, N]
         zero = unpack_cols(qzeros) + 1  # [..., K/g, N]
         g = self.group_size
