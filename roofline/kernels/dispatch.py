@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..model.layers import MLP, DecoderLayer, Experts, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
 from ..quant import DenseWeight, Fp8BlockWeight, Int4Weight, LinearWeight
-from ..quant.int4 import block_qweight
+from ..quant.int4 import block_qweight, blocked_columns
 from ..quant.int8 import Int8RowWeight
 
 log = logging.getLogger("roofline.kernels")
@@ -242,10 +242,9 @@ def _block_int4_weights(model: torch.nn.Module, dtype: torch.dtype, installed: C
             if not isinstance(whole, Int4Weight) or not _blockable(whole, dtype) or any(n % 32 for n in proj.sizes):
                 continue
             _block(whole)
-            rows = whole.qweight.view(whole.out_features // 32, -1)
             start = 0
             for part, size in zip(proj.parts, proj.sizes):
-                part._buffers["qweight"] = rows[start // 32 : (start + size) // 32].view(whole.in_features // 8, size)
+                part._buffers["qweight"] = blocked_columns(whole.qweight, start, start + size)
                 part.blocked = True
                 start += size
             count += 1

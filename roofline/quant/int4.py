@@ -68,6 +68,13 @@ def block_qweight(qweight: torch.Tensor) -> torch.Tensor:
     return blocks.permute(*range(nd - 4), nd - 2, nd - 4, nd - 3, nd - 1).contiguous().view(qweight.shape)
 
 
+def blocked_columns(blocked: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Columns [start, stop) of a blocked [K/8, N] qweight (multiples of 32) as a contiguous view, itself in
+    block_qweight's order: rows start/32 .. stop/32 of the [N/32, ...] order."""
+    kp, n = blocked.shape
+    return blocked.view(n // 32, -1)[start // 32 : stop // 32].view(kp, stop - start)
+
+
 def unblock_qweight(blocked: torch.Tensor) -> torch.Tensor:
     """Inverse of block_qweight: back to the GPTQ order (a new tensor)."""
     *lead, kp, n = blocked.shape
