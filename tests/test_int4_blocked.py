@@ -1,4 +1,4 @@
-"""INT4 qweights block-repacked at load for the tensor-core kernels (ROOFLINE_INT4_QBLK=1, kernels/dispatch.py).
+"""INT4 qweights block-repacked at load for the tensor-core kernels (default without MTP, kernels/dispatch.py).
 
 The reference path must read the blocked order back exactly, a merged projection's parts must stay views of the
 blocked whole, and the decode kernels must read it (the interpreter emulates the tensor-core path on the CPU).
@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from roofline.kernels.dispatch import _block, _block_int4_weights, install_weight_kernel
+from roofline.errors import UserError
+from roofline.kernels.dispatch import _block, _block_int4_weights, block_int4_wanted, install_weight_kernel
 from roofline.kernels.merge import Projections
 from roofline.quant import Int4Weight, quantize_int4
 from roofline.quant.int4 import block_qweight, unblock_qweight
@@ -103,3 +104,15 @@ def test_a_blocked_weight_refuses_the_lanes_path():
     _block(w)
     with pytest.raises(ValueError, match="block-repacked"):
         int4_matmul(torch.randn(1, 256), w.qweight, w.qzeros, w.scales, 128, config={"qblk": True})  # fp32 rows
+
+
+def test_the_weight_order_follows_speculation_unless_forced(monkeypatch):
+    monkeypatch.delenv("ROOFLINE_INT4_QBLK", raising=False)
+    assert block_int4_wanted(speculative=False)[0] and not block_int4_wanted(speculative=True)[0]
+    monkeypatch.setenv("ROOFLINE_INT4_QBLK", "1")
+    assert block_int4_wanted(speculative=True) == (True, "ROOFLINE_INT4_QBLK=1")
+    monkeypatch.setenv("ROOFLINE_INT4_QBLK", "0")
+    assert block_int4_wanted(speculative=False) == (False, "ROOFLINE_INT4_QBLK=0")
+    monkeypatch.setenv("ROOFLINE_INT4_QBLK", "yes")
+    with pytest.raises(UserError, match="ROOFLINE_INT4_QBLK must be 0 or 1"):
+        block_int4_wanted(speculative=False)

@@ -284,6 +284,7 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     result.update({
         "copy_bandwidth": copy_bw,
         "kernels": dict(fast.installed),
+        "int4_order": "blocked" if fast.installed["int4 weights block-repacked"] else "gptq",
         "capacity_tokens": capacity,
         "bytes": {"weights_per_token": tb.weights, "routed_experts_stored": tb.experts_stored, "dense": tb.dense,
                   "lm_head": tb.lm_head, "embed_row": tb.embed_row, "gdn_state_rw": state_bytes,
@@ -339,6 +340,9 @@ def format_report(r: dict) -> str:
              f"{r['environment']['device']}, commit {r['environment']['commit']}",
              f"copy bandwidth {r['copy_bandwidth'] / gb:.0f} GB/s; weights read per token {r['bytes']['weights_per_token'] / gb:.2f} GB, "
              f"GDN state {r['bytes']['gdn_state_rw'] / 1e6:.0f} MB, KV {r['bytes']['kv_per_context_token']} B per context token",
+             f"INT4 qweights in {r.get('int4_order', 'gptq')} order"
+             + (" (an engine with MTP on keeps GPTQ order: ROOFLINE_INT4_QBLK=0 measures its M rows)"
+                if r.get("int4_order") == "blocked" else ""),
              "", "| context | GB/token | ceiling tok/s | tok/s | ms/token | graph ms | of ceiling |", "|---|---|---|---|---|---|---|"]
     for row in r["decode"]:
         lines.append(f"| {row['context']} | {row['bytes_per_token'] / gb:.2f} | {row['ceiling_tok_s']:.0f} | {row['tok_s']:.1f} | "

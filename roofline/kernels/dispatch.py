@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.layers import MLP, DecoderLayer, Experts, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
+from ..errors import UserError
 from ..quant import DenseWeight, Fp8BlockWeight, Int4Weight, LinearWeight
 from ..quant.int4 import block_qweight, blocked_columns
 from ..quant.int8 import Int8RowWeight
@@ -212,8 +213,10 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
 
 
 # INT4 qweights block-repacked at load for the tensor-core kernels (quant.int4.block_qweight): each warp-step 2 KB
-# contiguous. Opt-in (ROOFLINE_INT4_QBLK=1) until an end-to-end A/B on the H200 decides: the kernel sweep of run 9
-# had in_proj_qkv M=1 8.9 against 11.3 us and experts gate_up T=1 15.6 against 18.4 (benchmarks/NOTES-kernels.md).
+# contiguous. On by default for plain decode: H200, 122B, context 0, alternating A/B (session 9, NOTES-kernels run 11):
+# step 3.49 against 3.90 ms (graph 3.35 against 3.66), +12% tok/s. Off when MTP speculation is configured: the
+# verify steps were no faster and at M=4 slower in that order (means of 4 and 3 runs: M=2 4.96 both, M=3 5.53 against
+# 5.41, M=4 5.92 against 5.65 ms). ROOFLINE_INT4_QBLK=1 / =0 forces it either way.
 QBLK_ENV = "ROOFLINE_INT4_QBLK"
 
 
@@ -262,8 +265,21 @@ def _block_int4_weights(model: torch.nn.Module, dtype: torch.dtype, installed: C
         installed["int4 weights block-repacked"] += count
 
 
-def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPath:
-    """Install the Triton decode kernels on `model`; `allow_cpu` (tests) runs them in Triton's interpreter."""
+def block_int4_wanted(speculative: bool) -> tuple[bool, str]:
+    """(whether to block-repack the INT4 qweights, why): `QBLK_ENV` when set, else on unless MTP verify steps run."""
+    forced = os.environ.get(QBLK_ENV)
+    if forced in ("0", "1"):
+        return forced == "1", f"{QBLK_ENV}={forced}"
+    if forced:
+        raise UserError(f"{QBLK_ENV} must be 0 or 1, got {forced!r}")
+    if speculative:
+        return False, "MTP speculation is on: the GPTQ order's verify steps (M = 2-4) were faster on the H200"
+    return True, "the default for decode without speculation"
+
+
+def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculative: bool = False) -> FastPath:
+    """Install the Triton decode kernels on `model`; `allow_cpu` (tests) runs them in Triton's interpreter;
+    `speculative`: MTP verify steps will run (the INT4 weight order is chosen for them, `block_int4_wanted`)."""
     result = FastPath()
     installed = result.installed
     device = model.device
@@ -314,8 +330,14 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
     if installed["gdn decode"] and not fla and device.type == "cuda":
         log.warning("GDN prefill runs the PyTorch loop over tokens: fla-core is not installed (pip install 'roofline[gpu]')")
     _install_merged_projections(model, installed)
-    if os.environ.get(QBLK_ENV) == "1":
+    block, why = block_int4_wanted(speculative)
+    if block:
         _block_int4_weights(model, model.dtype, installed)
+    if installed["int4 weights block-repacked"]:
+        log.info("INT4 qweights block-repacked for the tensor-core kernels (%s)", why)
+    elif installed["int4"] or installed["int4 experts"]:
+        log.info("INT4 qweights kept in GPTQ order: %s", why if not block else "no weight the tensor-core path reads "
+                 "(16-bit activations, group 128, K and N multiples of 128)")
     if FUSED_SMALL_OPS:
         _install_blocks(model, installed)
     if device.type == "cuda":

@@ -7,7 +7,7 @@ Per linear of out N, in K, group g:
   w[n, k] = (q[k, n] - zero[k//g, n]) * scale[k//g, n]
 Symmetric checkpoints store every zero nibble as 7 (real zero 8).
 
-The CUDA fast path may keep qweight block-repacked (`block_qweight`, opt-in ROOFLINE_INT4_QBLK=1):
+The CUDA fast path may keep qweight block-repacked (`block_qweight`; by default without MTP, see kernels/dispatch.py):
 the same words ordered [N/32, K/128, 16, 32], so each warp-step of the tensor-core kernels (16
 packed rows x 32 columns of one group) is 2 KB of contiguous memory. `Int4Weight.blocked` says so,
 and its reference path reads the weight back through `unblock_qweight`.
