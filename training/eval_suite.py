@@ -1,10 +1,11 @@
 """The issue-3 measurements in one go, with roofline's engine (CPU fp32 by default), held-out prompts:
 
-    python -m training.eval_suite [MODEL] [--n 100] [--n-recall 40] [--json OUT]
+    python -m training.eval_suite [MODEL] [--n 100] [--n-recall 40] [--dtype bfloat16] [--json OUT]
 
 arithmetic as the tests draw it (thinking on/off mixed), with thinking, without thinking;
 recall at 3 / 10 / 30 / 100 facts (100 facts is the test's ~1K tokens); the tool call and the
-answer from the tool response; MTP greedy acceptance at positions 1 and 2.
+answer from the tool response; MTP greedy acceptance at positions 1 and 2. `--dtype bfloat16` runs the
+reference path in the dtype a GPU serves in (slower on a CPU), to see what bf16 rounding costs.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def main() -> None:
     ap.add_argument("--facts", default="3,10,30,100")
     ap.add_argument("--n-tool", type=int, default=20)
     ap.add_argument("--mtp", type=int, default=12)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    engine = Engine.from_pretrained(args.model, device="cpu", dtype="float32")
+    engine = Engine.from_pretrained(args.model, device="cpu", dtype=args.dtype)
     res = {}
     t0 = time.time()
 
@@ -56,10 +58,12 @@ def main() -> None:
         convs = heldout("recall", args.n_recall, n_facts=f)
         toks = sum(len(prompt_ids(engine, c)) for c in convs) / len(convs)
         rec(f"recall_{f}_facts", {"accuracy": accuracy(engine, convs, max_tokens=64), "prompt_tokens": round(toks)})
-    rec("arithmetic_mixed", accuracy(engine, heldout("arithmetic", args.n)))
-    rec("arithmetic_thinking", accuracy(engine, heldout("arithmetic", args.n, thinking=True)))
-    rec("arithmetic_no_thinking", accuracy(engine, heldout("arithmetic", args.n, thinking=False)))
-    rec("tool", tool_scores(engine, args.n_tool))
+    if args.n:  # --n 0 / --n-tool 0 skip those rows
+        rec("arithmetic_mixed", accuracy(engine, heldout("arithmetic", args.n)))
+        rec("arithmetic_thinking", accuracy(engine, heldout("arithmetic", args.n, thinking=True)))
+        rec("arithmetic_no_thinking", accuracy(engine, heldout("arithmetic", args.n, thinking=False)))
+    if args.n_tool:
+        rec("tool", tool_scores(engine, args.n_tool))
     if args.mtp:
         rec("mtp_acceptance", mtp_acceptance(engine, heldout("arithmetic", args.mtp, seed=99)))
     if args.json:
