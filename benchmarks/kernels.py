@@ -179,12 +179,11 @@ def bench_int4_dense(b: Bench, quick: bool):
                                                       (4, 1, 4, 96), (2, 2, 4, 0)][: 7 if m == 1 else 2]]
                     cfgs.append(("probe: tc loads only, no math, WN4 pps4", {"tc": True, "WN": 4, "KW": 1, "probe_loads_only": True}))
                     cfgs.append(("tc qblk (repacked weights) WN4 pps4", {"tc": True, "WN": 4, "KW": 1, "qblk": True}))
-                    # run 9: qblk 8.9 us, pps8 10.4, r96 10.1 against 11.3 (in_proj_qkv M=1); run 10c: the loads alone
-                    # are fastest with many small programs, so the combinations next
-                    cfgs += [(f"tc qblk WN4 pps{pps}" + (f" r{reg}" if reg else ""),
-                              {"tc": True, "WN": 4, "KW": 1, "qblk": True, "programs_per_sm": pps,
-                               **({"maxnreg": reg} if reg else {})})
-                             for pps, reg in [(8, 0), (4, 96), (8, 96), (8, 80)]]
+                    # run 11: more programs per SM or capped registers on the two-buffer loop did not help (pps8 10.4,
+                    # r96 8.9 against 8.9 us, in_proj_qkv M=1); run 10c's fast loads probe had ~6 small programs per SM
+                    # with one step in flight: the one-buffer loop (tc_groups DEPTH=1) at 4-8 programs per SM
+                    cfgs += [(f"tc qblk depth1 WN4 pps{pps}", {"tc": True, "WN": 4, "KW": 1, "qblk": True, "depth": 1,
+                                                              "programs_per_sm": pps}) for pps in (4, 6, 8)]
                 b.try_configs("int4_gemv", shape, nbytes, make, cfgs)
             t = median_us(make(None))
             base = median_us(Rotor(lambda w: F.linear(x, w), [(w,) for w in dense]))
@@ -243,8 +242,9 @@ def bench_experts(b: Bench, quick: bool):
                          for wn, kw, pps, reg in [(2, 1, 4, 0), (4, 1, 4, 0), (2, 1, 2, 0), (1, 1, 8, 0), (2, 1, 8, 0),
                                                   (1, 1, 16, 0), (4, 1, 2, 0)][: 7 if t_tokens == 1 else 3]]
                 cfgs.append(("tc qblk (repacked weights), its default config", {"tc": True, "qblk": True}))
-                cfgs += [(f"tc qblk WN{wn} KW1 pps{pps}", {"tc": True, "qblk": True, "WN": wn, "KW": 1, "programs_per_sm": pps})
-                         for wn, pps in [(2, 2), (4, 4), (1, 8)]]
+                cfgs.append(("tc qblk depth1, its default config", {"tc": True, "qblk": True, "depth": 1}))
+                cfgs += [(f"tc qblk depth1 WN{wn} KW1 pps{pps}", {"tc": True, "qblk": True, "depth": 1, "WN": wn, "KW": 1,
+                                                                 "programs_per_sm": pps}) for wn, pps in [(2, 6), (1, 12)]]
             b.try_configs("experts_gate_up", shape_gu, gu_total, make_gu, cfgs)
             b.try_configs("experts_down", shape_dn, dn_total, make_dn, cfgs)
         # baseline: the same experts as BF16, pre-gathered, one cuBLAS batched GEMV (bmm)

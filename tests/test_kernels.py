@@ -110,6 +110,8 @@ def test_int4_matmul_interpreter(m, n, k, group, sym, config):
     (4, 64, 512, True, {"tc": True, "KW": 1, "SPLIT_K": 3}),    # uneven split (odd number of steps in a split)
     (3, 64, 256, False, {"tc": True, "WN": 2, "KW": 1}),        # two 32-column blocks per program
     (2, 64, 768, False, {"tc": True, "KW": 1, "SPLIT_K": 1}),   # 6 steps in one program: the loop runs 3 times
+    (3, 64, 640, False, {"tc": True, "KW": 1, "SPLIT_K": 2, "depth": 1}),  # one-buffer loop, 3 and 2 steps a split
+    (1, 64, 512, True, {"tc": True, "KW": 2, "depth": 1}),      # one-buffer loop, two warp rows
 ])
 def test_int4_tc_interpreter(m, n, k, sym, config):
     """The tensor-core path (int4_tc) with its per-thread asm emulated in plain Triton: loads, column map, split K."""
@@ -152,14 +154,16 @@ def test_int4_tc_asm_fragments(bf16):
     np.testing.assert_allclose(out, expect, rtol=0, atol=1e-4 * np.abs(ref).max())
 
 
-def check_repacked(n, k, e, h, i, dtype, device, tol):
-    """The tc kernels on block-repacked weights (quant.int4.block_qweight, config "qblk"): GEMV, gate_up, down."""
+def check_repacked(n, k, e, h, i, dtype, device, tol, depth=2):
+    """The tc kernels on block-repacked weights (quant.int4.block_qweight, config "qblk"): GEMV, gate_up, down;
+    `depth` 1: tc_groups' one-buffer loop."""
     from roofline.quant.int4 import block_qweight
 
     torch.manual_seed(11)
     qw, qz, sc = random_int4(n, k, 128, False, device)
     x = torch.randn(3, k, device=device).to(dtype)
-    y = int4_matmul(x, block_qweight(qw), qz, sc, 128, sym=False, config={"tc": True, "qblk": True, "WN": 2, "SPLIT_K": 2})
+    y = int4_matmul(x, block_qweight(qw), qz, sc, 128, sym=False, config={"tc": True, "qblk": True, "WN": 2, "SPLIT_K": 2,
+                                                                     "depth": depth})
     assert rel_err(y, int4_matmul_reference(x, qw, qz, sc, 128)) < tol
     topk, t = 3, 2
     gate_up = random_int4(2 * i, h, 128, True, device, e)
@@ -167,7 +171,7 @@ def check_repacked(n, k, e, h, i, dtype, device, tol):
     x = torch.randn(t, h, device=device).to(dtype)
     ids = torch.stack([torch.randperm(e, device=device)[:topk] for _ in range(t)])
     w = torch.softmax(torch.randn(t, topk, device=device), -1).to(dtype)
-    cfg = {"tc": True, "qblk": True}
+    cfg = {"tc": True, "qblk": True, "depth": depth}
     act = experts_gate_up(x, ids, block_qweight(gate_up[0]), gate_up[1], gate_up[2], 128, config=cfg)
     act_ref = experts_gate_up_reference(x, ids, *gate_up, 128)
     assert rel_err(act, act_ref) < tol
@@ -176,13 +180,15 @@ def check_repacked(n, k, e, h, i, dtype, device, tol):
 
 
 @cpu
-def test_int4_tc_repacked_interpreter():
-    check_repacked(128, 384, 6, 256, 128, torch.float16, "cpu", 2e-3)
+@pytest.mark.parametrize("depth", [2, 1])
+def test_int4_tc_repacked_interpreter(depth):
+    check_repacked(128, 384, 6, 256, 128, torch.float16, "cpu", 2e-3, depth)
 
 
 @gpu
-def test_int4_tc_repacked_gpu():
-    check_repacked(12288, 3072, 32, 3072, 1024, torch.bfloat16, GPU, 1e-2)
+@pytest.mark.parametrize("depth", [2, 1])
+def test_int4_tc_repacked_gpu(depth):
+    check_repacked(12288, 3072, 32, 3072, 1024, torch.bfloat16, GPU, 1e-2, depth)
 
 
 def test_int4_tc_asm_layout():
@@ -281,6 +287,7 @@ def test_experts_down_adds_shared_and_residual_interpreter(t, config):
 @pytest.mark.parametrize("t,config", [
     (1, {"tc": True}),
     (3, {"tc": True, "SPLIT_K": 2}),   # shared experts among tokens, split K
+    (3, {"tc": True, "SPLIT_K": 2, "depth": 1}),  # the one-buffer loop
 ])
 def test_experts_tc_interpreter(t, config):
     """The grouped experts on the int4_tc path (group 128, fp16), asm emulated."""
@@ -292,6 +299,14 @@ def test_experts_tc_interpreter(t, config):
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 12])
 def test_experts_gpu(t, tc):
     check_experts(t, 256, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": tc})
+
+
+@gpu
+@pytest.mark.parametrize("t", [1, 3])
+def test_one_buffer_loop_gpu(t):
+    """tc_groups' DEPTH=1 loop (ROOFLINE_INT4_DEPTH=1) at real sizes: GEMV (odd steps per split) and experts."""
+    check_int4(t, 12288, 3072, 128, True, torch.bfloat16, GPU, config={"tc": True, "depth": 1, "SPLIT_K": 5})
+    check_experts(t, 256, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": True, "depth": 1})
 
 
 @gpu

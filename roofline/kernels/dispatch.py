@@ -340,6 +340,11 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
                  "(16-bit activations, group 128, K and N multiples of 128)")
     if FUSED_SMALL_OPS:
         _install_blocks(model, installed)
+    if installed["int4"] or installed["int4 experts"]:
+        from .int4_tc import INT4_DEPTH
+
+        if INT4_DEPTH == 1:
+            installed["int4 tc one-buffer loop at one row (ROOFLINE_INT4_DEPTH=1, experiment)"] += 1
     if device.type == "cuda":
         from ._common import PDL_ENABLED, SECOND_STREAM, pdl_supported
 

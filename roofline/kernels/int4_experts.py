@@ -44,6 +44,7 @@ from .int4_tc import (
     default_tc_config,
     lane_index,
     launch_options,
+    one_buffer_loop,
     out_index,
     sum_warp_rows,
     tc_geometry,
@@ -408,7 +409,7 @@ def _gate_up_tc_kernel(
     T, K2, I, GROUPS, GPS, QW_E, QZ_E, SC_E,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
-    QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
+    QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
 ):
     wait_for_inputs(PDL)  # which weights to read comes from the router's output
     pid_n = tl.program_id(0)
@@ -425,7 +426,8 @@ def _gate_up_tc_kernel(
         g_start = pid_k * GPS
         g_end = tl.minimum(g_start + GPS, GROUPS)
         g0, g1, u0, u1 = tc_groups(x32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E, colbase,
-                                   I, 2 * I, g_start, g_end, WN, KW, SYM, BF16, True, EMULATE, GROUPS, QBLK)
+                                   I, 2 * I, g_start, g_end, WN, KW, SYM, BF16, True, EMULATE, GROUPS, QBLK, False,
+                                   DEPTH)
         g0 = sum_warp_rows(g0, WN, KW)  # chunk row 2t
         g1 = sum_warp_rows(g1, WN, KW)  # chunk row 2t + 1
         u0 = sum_warp_rows(u0, WN, KW)
@@ -470,6 +472,7 @@ def _down_tc_kernel(
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
     SHARED: tl.constexpr, RESIDUAL: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
+    DEPTH: tl.constexpr = 2,
 ):
     wait_for_inputs(PDL)
     BN: tl.constexpr = 32 * WN
@@ -487,7 +490,8 @@ def _down_tc_kernel(
         g_start = pid_k * GPS
         g_end = tl.minimum(g_start + GPS, GROUPS)
         y0, y1, _, _ = tc_groups(act32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E,
-                                 colbase, 0, H, g_start, g_end, WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK)
+                                 colbase, 0, H, g_start, g_end, WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, False,
+                                 DEPTH)
         y0 = sum_warp_rows(y0, WN, KW)
         y1 = sum_warp_rows(y1, WN, KW)
         row0, row1, m0, m1, col = _tc_out_rows(tok, choice, routed, colbase, WN, CH, TOPK)
@@ -513,6 +517,8 @@ def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
             cfg = {"WN": 1, "KW": 1, "programs_per_sm": 8.0} if t == 1 else {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
         else:
             cfg = {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
+        if one_buffer_loop(t):
+            cfg["depth"] = 1
     cfg.update(config or {})
     return cfg
 
@@ -547,7 +553,8 @@ def _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, count
         t, k // 2, inter, k // GROUP, gps, qweight[0].numel(), qzeros[0].numel(), scales[0].numel(),
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
         BF16=x.dtype == torch.bfloat16, SPLIT_K=split, SPLITP=max(4, next_pow2(split)), EMULATE=INTERPRET,
-        QBLK=bool(cfg.get("qblk")), num_warps=cfg["WN"] * cfg["KW"], num_stages=1, **launch_options(cfg),
+        QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
+        **launch_options(cfg),
         **pdl_options(x.device),
     )
     return act
@@ -570,7 +577,8 @@ def _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, confi
         cnt, *extra.args(out), t, inter // 2, h, inter // GROUP, gps, qweight[0].numel(), qzeros[0].numel(), scales[0].numel(),
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
         BF16=act.dtype == torch.bfloat16, SPLIT_K=split, SPLITP=next_pow2(split), EMULATE=INTERPRET, **extra.flags(),
-        QBLK=bool(cfg.get("qblk")), num_warps=cfg["WN"] * cfg["KW"], num_stages=1, **launch_options(cfg),
+        QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
+        **launch_options(cfg),
         **pdl_options(act.device),
     )
     return out

@@ -46,6 +46,8 @@ DGX Spark sm_121); registers only, no shared memory beyond Triton's cross-warp r
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -270,61 +272,31 @@ def _step_math(q0, q1, q2, q3, s, u0, u1, u2, u3, su, x0, x1, x2, x3, grp, qz_pt
 
 
 @triton.jit
-def tc_groups(
-    x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, col2, N, g_start, g_end,
-    WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
-    EMULATE: tl.constexpr, GROUPS=1, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
-):
-    """Partial products over quantisation groups [g_start, g_end) for up to 8 token rows.
+def _steps_one_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP: tl.constexpr, g_start, g_end, kw, qz_ptr, col, N,
+                     y0, y1, u0, u1, MB: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
+                     L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr):
+    """tc_groups' loop with DEPTH=1: one register buffer; the next step's weights and x load during this step's math."""
+    ga = g_start + kw
+    q0, q1, q2_, q3, s, v0, v1, v2, v3, sv = _load_weights(qp, sp, q2, col2, R4, ga < g_end, DUAL)
+    wait_for_inputs(PDL)  # the first step's weights are in flight; x comes from the previous kernel
+    x0, x1, x2, x3 = _load_x(xp, ga < g_end)
+    for g0 in range(g_start, g_end, KW):
+        ga = g0 + kw
+        y0, y1, u0, u1 = _step_math(q0, q1, q2_, q3, s, v0, v1, v2, v3, sv, x0, x1, x2, x3, ga, qz_ptr, col, col2, N,
+                                    y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE)
+        qp += QSTEP
+        sp += SSTEP
+        xp += XSTEP
+        q0, q1, q2_, q3, s, v0, v1, v2, v3, sv = _load_weights(qp, sp, q2, col2, R4, ga + KW < g_end, DUAL)
+        x0, x1, x2, x3 = _load_x(xp, ga + KW < g_end)
+    return y0, y1, u0, u1
 
-    Tiles are [L, 4] (L = 32 WN KW), row l = lane 4 g + t of warp kw WN + wn: 2-D with a 4-wide
-    contiguous axis, so Triton's coalescing gives sizePerThread [1, 4], 32 lanes along l, warps
-    along l, whatever its tie-breaking between axes (a 5-D version got a different lane order on
-    triton 3.6 than on 3.9). Each k-step s of a group is its own tensor.
 
-    x32_ptr: x as int32 words (two 16-bit values each); xrow [L, 1]: word offset of the x row of
-    token g (any valid row where the token is absent). g_end - g_start must be a positive multiple
-    of KW (warp row kw takes group g0 + kw of each step). Returns (y0, y1) [L, 4] fp32, tokens 2t
-    and 2t + 1 at column colbase + 32 wn + 4 g + v (sum the KW warp rows), and with DUAL the same
-    pair for columns + col2 (the up half of gate_up), sharing the x loads.
-
-    PDL: wait for the previous kernel (`wait_for_inputs`) after the first steps' weight loads and
-    before x's; callers whose weight addresses depend on its output wait before calling instead.
-
-    Load pipeline: two steps of weights in flight per warp, in two register buffers A and B (the
-    loop takes two steps an iteration; each buffer is reloaded two steps ahead right after its math,
-    no register copies). x, an L2/L1 hit shared by every program, is loaded one step ahead only: in
-    flight with its weights it took as many registers as they do (16 words a lane a step; 124
-    registers a thread for the GEMV against 96 now). H200 run 7: in_proj_qkv M=1 9.1 us (was 11.9),
-    out_proj 9.0 (9.6), experts down 8.5 (9.1). Four weight steps in flight (a ring of four buffers,
-    145 registers) were slower in every configuration swept (11.5-11.9 us): fewer programs fit per
-    SM. Loads past the end are masked off (no fill value: their registers are never used).
-    """
-    MB: tl.constexpr = 128.0 if BF16 else 1024.0
-    L: tl.constexpr = 32 * WN * KW
-    g, t, wn, kw = lane_index(WN, KW)
-    v = tl.arange(0, 4)[None, :]
-    col = colbase + 32 * wn + 4 * g + v  # [L, 4] word columns, also the result columns
-    grp = g_start + kw  # [L, 1]
-    kp = grp * 16 + t  # packed row of k-step 0
-    if QBLK:  # qweight in quant.int4.block_qweight's order: [N/32, K/128, 16, 32], one warp-step = 2 KB contiguous
-        qp = qw_ptr + ((((colbase + 32 * wn) // 32) * GROUPS + grp) * 16 + t) * 32 + 4 * g + v
-        R4 = 128
-        QSTEP = 512 * KW
-        q2 = (col2 // 32) * GROUPS * 512
-    else:
-        qp = qw_ptr + kp * N + col
-        R4 = 4 * N  # one k-step: 4 packed rows
-        QSTEP = 16 * KW * N
-        q2 = col2
-    xp = x32_ptr + xrow + kp * 4 + v
-    sp = sc_ptr + grp * N + col
-    SSTEP = KW * N
-    XSTEP: tl.constexpr = 64 * KW
-    y0 = tl.zeros([L, 4], dtype=tl.float32)
-    y1 = tl.zeros([L, 4], dtype=tl.float32)
-    u0 = tl.zeros([L, 4], dtype=tl.float32)
-    u1 = tl.zeros([L, 4], dtype=tl.float32)
+@triton.jit
+def _steps_two_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP: tl.constexpr, g_start, g_end, kw, grp, qz_ptr, col, N,
+                     y0, y1, u0, u1, MB: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
+                     L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr):
+    """tc_groups' loop with DEPTH=2: two register buffers A and B, each refilled two steps ahead (see tc_groups)."""
     qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua = _load_weights(qp, sp, q2, col2, R4, grp < g_end, DUAL)
     qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub = _load_weights(qp + QSTEP, sp + SSTEP, q2, col2, R4,
                                                                     grp + KW < g_end, DUAL)
@@ -352,6 +324,75 @@ def tc_groups(
 
 
 @triton.jit
+def tc_groups(
+    x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, col2, N, g_start, g_end,
+    WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
+    EMULATE: tl.constexpr, GROUPS=1, QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
+):
+    """Partial products over quantisation groups [g_start, g_end) for up to 8 token rows.
+
+    Tiles are [L, 4] (L = 32 WN KW), row l = lane 4 g + t of warp kw WN + wn: 2-D with a 4-wide
+    contiguous axis, so Triton's coalescing gives sizePerThread [1, 4], 32 lanes along l, warps
+    along l, whatever its tie-breaking between axes (a 5-D version got a different lane order on
+    triton 3.6 than on 3.9). Each k-step s of a group is its own tensor.
+
+    x32_ptr: x as int32 words (two 16-bit values each); xrow [L, 1]: word offset of the x row of
+    token g (any valid row where the token is absent). g_end - g_start must be a positive multiple
+    of KW (warp row kw takes group g0 + kw of each step). Returns (y0, y1) [L, 4] fp32, tokens 2t
+    and 2t + 1 at column colbase + 32 wn + 4 g + v (sum the KW warp rows), and with DUAL the same
+    pair for columns + col2 (the up half of gate_up), sharing the x loads.
+
+    PDL: wait for the previous kernel (`wait_for_inputs`) after the first steps' weight loads and
+    before x's; callers whose weight addresses depend on its output wait before calling instead.
+
+    Load pipeline: two steps of weights in flight per warp, in two register buffers A and B (the
+    loop takes two steps an iteration; each buffer is reloaded two steps ahead right after its math,
+    no register copies). x, an L2/L1 hit shared by every program, is loaded one step ahead only: in
+    flight with its weights it took as many registers as they do (16 words a lane a step; 124
+    registers a thread for the GEMV against 96 now). H200 run 7: in_proj_qkv M=1 9.1 us (was 11.9),
+    out_proj 9.0 (9.6), experts down 8.5 (9.1). Four weight steps in flight (a ring of four buffers,
+    145 registers) were slower in every configuration swept (11.5-11.9 us): fewer programs fit per
+    SM. Loads past the end are masked off (no fill value: their registers are never used).
+
+    DEPTH=1 (config "depth"; `INT4_DEPTH`, an experiment): one buffer, each step's weights and x loaded one step
+    ahead: fewer registers a program, so more programs fit per SM, like the loads-only probe that read
+    in_proj_qkv at 0.72 of copy with ~6 small programs per SM and one step in flight (NOTES-kernels run 10c).
+    Run 11: faster at one row with 6 programs per SM, slower at four (see `INT4_DEPTH`).
+    """
+    MB: tl.constexpr = 128.0 if BF16 else 1024.0
+    L: tl.constexpr = 32 * WN * KW
+    g, t, wn, kw = lane_index(WN, KW)
+    v = tl.arange(0, 4)[None, :]
+    col = colbase + 32 * wn + 4 * g + v  # [L, 4] word columns, also the result columns
+    grp = g_start + kw  # [L, 1]
+    kp = grp * 16 + t  # packed row of k-step 0
+    if QBLK:  # qweight in quant.int4.block_qweight's order: [N/32, K/128, 16, 32], one warp-step = 2 KB contiguous
+        qp = qw_ptr + ((((colbase + 32 * wn) // 32) * GROUPS + grp) * 16 + t) * 32 + 4 * g + v
+        R4 = 128
+        QSTEP = 512 * KW
+        q2 = (col2 // 32) * GROUPS * 512
+    else:
+        qp = qw_ptr + kp * N + col
+        R4 = 4 * N  # one k-step: 4 packed rows
+        QSTEP = 16 * KW * N
+        q2 = col2
+    xp = x32_ptr + xrow + kp * 4 + v
+    sp = sc_ptr + grp * N + col
+    SSTEP = KW * N
+    XSTEP: tl.constexpr = 64 * KW
+    y0 = tl.zeros([L, 4], dtype=tl.float32)
+    y1 = tl.zeros([L, 4], dtype=tl.float32)
+    u0 = tl.zeros([L, 4], dtype=tl.float32)
+    u1 = tl.zeros([L, 4], dtype=tl.float32)
+    if DEPTH == 1:
+        return _steps_one_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP, g_start, g_end, kw, qz_ptr, col, N,
+                                y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL)
+    else:
+        return _steps_two_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP, g_start, g_end, kw, grp, qz_ptr, col, N,
+                                y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL)
+
+
+@triton.jit
 def sum_warp_rows(y, WN: tl.constexpr, KW: tl.constexpr):
     """[L, 4] -> [32 WN, 4]: the sum over the KW warp rows (row 32 wn + lane)."""
     if KW == 1:
@@ -374,6 +415,7 @@ def _gemv_tc_kernel(
     M, N, K2, GROUPS, GPS,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr,
     SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
+    DEPTH: tl.constexpr = 2,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -383,7 +425,7 @@ def _gemv_tc_kernel(
     g_start = pid_k * GPS
     g_end = tl.minimum(g_start + GPS, GROUPS)
     y0, y1, _, _ = tc_groups(x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, 0, N, g_start, g_end,
-                             WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, PDL)
+                             WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, PDL, DEPTH)
     y0 = sum_warp_rows(y0, WN, KW)
     y1 = sum_warp_rows(y1, WN, KW)
     tok, col = out_index(colbase, WN)
@@ -432,12 +474,29 @@ def tc_supported(x: torch.Tensor, n: int, k: int, group_size: int, wn: int = 1, 
     return x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 8
 
 
+# ROOFLINE_INT4_DEPTH=1: one-row calls (decode without MTP) take tc_groups' one-buffer loop (DEPTH=1), the GEMV at 6
+# programs per SM. An experiment awaiting an end-to-end A/B on the H200; the kernel sweep of run 11 had it faster at
+# one row (in_proj_qkv 8.60 against 8.97 us, out_proj 7.99 / 8.13, experts gate_up 14.43 / 15.58, down 8.33 / 9.42)
+# and slower or equal at four (out_proj 11.95 / 10.85, gate_up 31.5 / 29.2), so more rows keep DEPTH=2.
+_DEPTH_ENV = os.environ.get("ROOFLINE_INT4_DEPTH", "2")
+if _DEPTH_ENV not in ("1", "2"):
+    raise ValueError(f"ROOFLINE_INT4_DEPTH must be 1 or 2, got {_DEPTH_ENV!r}")
+INT4_DEPTH = int(_DEPTH_ENV)
+
+
+def one_buffer_loop(rows: int) -> bool:
+    """Whether a call on `rows` token rows takes the one-buffer loop (`INT4_DEPTH`)."""
+    return INT4_DEPTH == 1 and rows == 1 and not INTERPRET
+
+
 def default_tc_config(m: int, n: int, k: int) -> dict:
     """4 warps of 32 columns (128 columns a program), one group per warp-step; K split to ~4 programs per SM
     at one row, ~2 from two (H200 sweep, run 3a: in_proj_qkv M=4 13.5 us at 2 vs 14.1 at 4; out_proj
     M=4 12.2 vs 17.0; M=1 within 3%)."""
     if INTERPRET:
         return {"WN": 1, "KW": 2, "num_warps": 2}
+    if one_buffer_loop(m):
+        return {"WN": 4, "KW": 1, "programs_per_sm": 6.0, "depth": 1}
     return {"WN": 4, "KW": 1, "programs_per_sm": 4.0 if m == 1 else 2.0}
 
 
@@ -476,7 +535,8 @@ def int4_matmul_tc(x: torch.Tensor, qweight, qzeros, scales, *, sym: bool, out=N
         x2.view(torch.int32), qweight, qzeros, scales, out, ws, cnt, m, n, k // 2, k // GROUP, gps,
         WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym), BF16=x.dtype == torch.bfloat16, SPLIT_K=split,
         SPLITP=max(4, next_pow2(split)), EMULATE=None if cfg.get("probe_loads_only") else INTERPRET,
-        QBLK=bool(cfg.get("qblk")), num_warps=cfg["WN"] * cfg["KW"], num_stages=1, **launch_options(cfg),
+        QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
+        **launch_options(cfg),
         **pdl_options(x.device),
     )
     return out.reshape(*lead, n)
@@ -644,25 +704,27 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     gemv_sig = {"x32_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
                 "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K2": "i32", "GROUPS": "i32", "GPS": "i32", "WN": "constexpr",
                 "KW": "constexpr", "SYM": "constexpr", "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr",
-                "EMULATE": "constexpr", "QBLK": "constexpr", "PDL": "constexpr"}
+                "EMULATE": "constexpr", "QBLK": "constexpr", "PDL": "constexpr", "DEPTH": "constexpr"}
     expert_common = {"T": "i32", "GROUPS": "i32", "GPS": "i32", "QW_E": "i32", "QZ_E": "i32", "SC_E": "i32", "TOPK": "constexpr",
                      "TOPKP": "constexpr", "CH": "constexpr", "WN": "constexpr", "KW": "constexpr", "SYM": "constexpr",
                      "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr", "QBLK": "constexpr",
-                     "PDL": "constexpr"}
+                     "PDL": "constexpr", "DEPTH": "constexpr"}
     gate_up_sig = {"x32_ptr": "*i32", "ids_ptr": "*i64", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "act_ptr": "*bf16",
                    "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", **expert_common}
     down_sig = {"act32_ptr": "*i32", "ids_ptr": "*i64", "wts_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16",
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "sh_ptr": "*bf16", "sg_ptr": "*bf16", "SG_STRIDE": "i32",
                 "res_ptr": "*bf16", "SHARED": "constexpr", "RESIDUAL": "constexpr", "I2": "i32", "H": "i32", **expert_common}
     cases = [("gemv", _gemv_tc_kernel, gemv_sig, {"WN": wn, "KW": kw, "SYM": sym, "BF16": True, "SPLITP": 4, "EMULATE": False,
-                                                  "QBLK": False, "PDL": True})
+                                                  "QBLK": False, "PDL": True, "DEPTH": 2})
              for wn, kw, sym in [(4, 1, True), (4, 1, False), (2, 2, True)]]
-    cases.append(("gemv qblk", _gemv_tc_kernel, gemv_sig,
-                  {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": True, "PDL": True}))
+    cases += [("gemv qblk", _gemv_tc_kernel, gemv_sig,
+               {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": True, "PDL": True,
+                "DEPTH": depth}) for depth in (2, 1)]
     cases += [(name, fn, sig, {"TOPK": 8, "TOPKP": 8, "CH": ch, "WN": wn, "KW": 1, "SYM": sym, "BF16": True, "SPLITP": 8,
-                               "EMULATE": False, "QBLK": qblk, "PDL": True})
+                               "EMULATE": False, "QBLK": qblk, "PDL": True, "DEPTH": depth})
               for name, fn, sig in [("gate_up", _gate_up_tc_kernel, gate_up_sig), ("down", _down_tc_kernel, down_sig)]
-              for wn, ch, sym, qblk in [(1, 1, True, False), (2, 4, False, False), (2, 1, True, True)]]
+              for wn, ch, sym, qblk, depth in [(1, 1, True, False, 2), (2, 4, False, False, 2), (2, 1, True, True, 2),
+                                               (2, 1, True, True, 1)]]
     for case in cases:  # the down kernel's epilogue as the fused MoE block runs it (shared expert and residual added)
         if case[0] == "down":
             case[3].update(SHARED=True, RESIDUAL=True)
