@@ -138,12 +138,8 @@ def test_int8_lm_head_at_load_keeps_answers(engine):
 
 def test_speculation_keeps_greedy_answers(engine):
     """MTP-k (k = 1..4) on the bundled model, four questions decoding together: token for token the output
-    without speculation, while the head's drafts are mostly accepted.
-
-    Per round, position 1 is accepted less often than over every position (test_mtp_acceptance: 0.997), since a
-    round starts right after a rejection, where the text is hardest: stage 9 had 0.946 / 0.955 / 0.940 / 0.910 at
-    k = 1..4 on these ~80 rounds, stage 10 0.939 / 0.946 / 0.926 / 0.888 (71 of 80). 0.85 flags a drop well
-    below those without failing on one round of 80 (the issue's bar, 0.70 at position 1, is test_mtp_acceptance's)."""
+    without speculation, while the head's drafts are mostly accepted (stage 10: position 1 accepted in every
+    round at k = 1..4; 0.89-0.94 while the head's cache lost its history each step, test_speculative)."""
     from roofline.engine.sampling import SamplingParams
     from roofline.engine.speculative import SpeculativeConfig
 
@@ -159,4 +155,4 @@ def test_speculation_keeps_greedy_answers(engine):
     for k in range(1, 5):
         spec = Engine(engine.model, engine.tokenizer, engine.model_dir, speculative=SpeculativeConfig(k))
         assert answers(spec) == want, k
-        assert spec.speculator.acceptance_rates()[0] > 0.85, spec.speculator.acceptance_rates()
+        assert spec.speculator.acceptance_rates()[0] > 0.95, spec.speculator.acceptance_rates()

@@ -170,8 +170,8 @@ class MtpSpeculator:
     def draft(self, states: list[DraftState], params, histories, prompt_lens, generators):
         """k draft tokens and their draft distributions q per sequence."""
         caches = [s.cache for s in states]
-        true_lengths = [c.num_tokens for c in caches]
         hidden, logits = self._head([s.pending_tokens for s in states], [s.pending_hidden for s in states], caches)
+        true_lengths = [c.num_tokens for c in caches]  # the pending pairs are true history: they stay
         drafts: list[list[int]] = [[] for _ in states]
         qs: list[list[torch.Tensor]] = [[] for _ in states]
         for j in range(self.k):
