@@ -475,12 +475,12 @@ def evaluate_and_record(out, info, args, device, t_start, fh) -> None:
 # --------------------------------------------------------------------------- main
 
 
-
 def mix_arg(text: str) -> dict | None:
     try:
         return parse_mix(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -293,10 +293,11 @@ def _steps_one_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP: tl.constexpr
 
 
 @triton.jit
-def _steps_two_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP: tl.constexpr, g_start, g_end, kw, grp, qz_ptr, col, N,
+def _steps_two_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP: tl.constexpr, g_start, g_end, kw, qz_ptr, col, N,
                      y0, y1, u0, u1, MB: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
                      L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr):
     """tc_groups' loop with DEPTH=2: two register buffers A and B, each refilled two steps ahead (see tc_groups)."""
+    grp = g_start + kw  # [L, 1] group of each warp row in the first step
     qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua = _load_weights(qp, sp, q2, col2, R4, grp < g_end, DUAL)
     qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub = _load_weights(qp + QSTEP, sp + SSTEP, q2, col2, R4,
                                                                     grp + KW < g_end, DUAL)
@@ -388,7 +389,7 @@ def tc_groups(
         return _steps_one_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP, g_start, g_end, kw, qz_ptr, col, N,
                                 y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL)
     else:
-        return _steps_two_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP, g_start, g_end, kw, grp, qz_ptr, col, N,
+        return _steps_two_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP, g_start, g_end, kw, qz_ptr, col, N,
                                 y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL)
 
 
@@ -486,7 +487,7 @@ INT4_DEPTH = int(_DEPTH_ENV)
 
 def one_buffer_loop(rows: int) -> bool:
     """Whether a call on `rows` token rows takes the one-buffer loop (`INT4_DEPTH`)."""
-    return INT4_DEPTH == 1 and rows == 1 and not INTERPRET
+    return INT4_DEPTH == 1 and rows == 1
 
 
 def default_tc_config(m: int, n: int, k: int) -> dict:
