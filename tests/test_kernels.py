@@ -304,7 +304,7 @@ def test_experts_gpu(t, tc):
 @gpu
 @pytest.mark.parametrize("t", [1, 3])
 def test_one_buffer_loop_gpu(t):
-    """tc_groups' DEPTH=1 loop (ROOFLINE_INT4_DEPTH=1) at real sizes: GEMV (odd steps per split) and experts."""
+    """tc_groups' DEPTH=1 loop (the default at one row) at real sizes: GEMV (odd steps per split) and experts."""
     check_int4(t, 12288, 3072, 128, True, torch.bfloat16, GPU, config={"tc": True, "depth": 1, "SPLIT_K": 5})
     check_experts(t, 256, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": True, "depth": 1})
 

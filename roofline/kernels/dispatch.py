@@ -343,8 +343,8 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
     if installed["int4"] or installed["int4 experts"]:
         from .int4_tc import INT4_DEPTH
 
-        if INT4_DEPTH == 1:
-            installed["int4 tc one-buffer loop at one row (ROOFLINE_INT4_DEPTH=1, experiment)"] += 1
+        if INT4_DEPTH == 2:
+            installed["int4 tc two-buffer loop at one row too (ROOFLINE_INT4_DEPTH=2)"] += 1
     if device.type == "cuda":
         from ._common import PDL_ENABLED, SECOND_STREAM, pdl_supported
 

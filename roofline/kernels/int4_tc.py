@@ -355,10 +355,10 @@ def tc_groups(
     145 registers) were slower in every configuration swept (11.5-11.9 us): fewer programs fit per
     SM. Loads past the end are masked off (no fill value: their registers are never used).
 
-    DEPTH=1 (config "depth"; `INT4_DEPTH`, an experiment): one buffer, each step's weights and x loaded one step
+    DEPTH=1 (config "depth"; the default at one row, `INT4_DEPTH`): one buffer, each step's weights and x loaded one step
     ahead: fewer registers a program, so more programs fit per SM, like the loads-only probe that read
     in_proj_qkv at 0.72 of copy with ~6 small programs per SM and one step in flight (NOTES-kernels run 10c).
-    Run 11: faster at one row with 6 programs per SM, slower at four (see `INT4_DEPTH`).
+    Run 11b: faster at one row with 6 programs per SM, slower at four; run 12: -2% on the 122B step (see `INT4_DEPTH`).
     """
     MB: tl.constexpr = 128.0 if BF16 else 1024.0
     L: tl.constexpr = 32 * WN * KW
@@ -475,11 +475,13 @@ def tc_supported(x: torch.Tensor, n: int, k: int, group_size: int, wn: int = 1, 
     return x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 8
 
 
-# ROOFLINE_INT4_DEPTH=1: one-row calls (decode without MTP) take tc_groups' one-buffer loop (DEPTH=1), the GEMV at 6
-# programs per SM. An experiment awaiting an end-to-end A/B on the H200; the kernel sweep of run 11 had it faster at
-# one row (in_proj_qkv 8.60 against 8.97 us, out_proj 7.99 / 8.13, experts gate_up 14.43 / 15.58, down 8.33 / 9.42)
-# and slower or equal at four (out_proj 11.95 / 10.85, gate_up 31.5 / 29.2), so more rows keep DEPTH=2.
-_DEPTH_ENV = os.environ.get("ROOFLINE_INT4_DEPTH", "2")
+# One-row calls (decode without MTP, and the MTP draft steps) take tc_groups' one-buffer loop (DEPTH=1), the GEMV at 6
+# programs per SM; more rows keep the two-buffer loop (DEPTH=2). H200, 122B, context 0, alternating A/B (session 10,
+# NOTES-kernels run 12): graph 3.278 / 3.282 ms against 3.344 / 3.349 with DEPTH=2 everywhere (-2%); the kernel sweep
+# of run 11b had it faster at one row (in_proj_qkv 8.60 against 8.97 us, out_proj 7.99 / 8.13, experts gate_up
+# 14.43 / 15.58, down 8.33 / 9.42) and slower or equal at four (out_proj 11.95 / 10.85, gate_up 31.5 / 29.2).
+# Measured in the block-repacked order only. ROOFLINE_INT4_DEPTH=2 keeps the two-buffer loop at every row count.
+_DEPTH_ENV = os.environ.get("ROOFLINE_INT4_DEPTH", "1")
 if _DEPTH_ENV not in ("1", "2"):
     raise ValueError(f"ROOFLINE_INT4_DEPTH must be 1 or 2, got {_DEPTH_ENV!r}")
 INT4_DEPTH = int(_DEPTH_ENV)
