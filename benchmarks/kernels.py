@@ -245,6 +245,10 @@ def bench_experts(b: Bench, quick: bool):
                 cfgs.append(("tc qblk depth1, its default config", {"tc": True, "qblk": True, "depth": 1}))
                 cfgs += [(f"tc qblk depth1 WN{wn} KW1 pps{pps}", {"tc": True, "qblk": True, "depth": 1, "WN": wn, "KW": 1,
                                                                  "programs_per_sm": pps}) for wn, pps in [(2, 6), (1, 12)]]
+                if t_tokens == 1:  # the K split sets how many programs there are: one wave or more (run 13)
+                    cfgs += [(f"tc qblk depth1 WN{wn} split{sk}", {"tc": True, "qblk": True, "depth": 1, "WN": wn,
+                                                                   "KW": 1, "SPLIT_K": sk})
+                             for wn, sk in [(2, 2), (2, 3), (2, 4), (2, 6), (2, 8), (1, 4), (1, 8), (4, 4), (4, 8)]]
             b.try_configs("experts_gate_up", shape_gu, gu_total, make_gu, cfgs)
             b.try_configs("experts_down", shape_dn, dn_total, make_dn, cfgs)
         # baseline: the same experts as BF16, pre-gathered, one cuBLAS batched GEMV (bmm)
@@ -295,6 +299,37 @@ def bench_fp8(b: Bench, quick: bool):
             b.record("fp8_gemv", shape, nbytes, t, baseline=base, baseline_bytes=n * k * 2 + m * (n + k) * 2,
                      note="baseline: cuBLAS BF16 F.linear")
         del sets, dense
+
+
+def bench_router(b: Bench, quick: bool):
+    """The MoE router of the 122B (256 experts + the shared expert's gate, BF16 [257, 3072]) with its top-8 routing:
+    one launch (GEMV + top-k epilogue, `router_top_k`) in several tilings, against the GEMV and a top-k kernel."""
+    from roofline.kernels.fp8_gemv import dense_matmul, router_top_k
+    from roofline.kernels.small_ops import route_top_k
+
+    n, k, experts, top = 257, HIDDEN, 256, 8
+    sets = [(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02,) for _ in range(copies_for(n * k * 2))]
+    for m in (1, 4):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        nbytes = n * k * 2 + m * (n + k) * 2
+        shape = f"router {n}x{k} top{top} M={m}"
+
+        def make(cfg, x=x):
+            return Rotor(lambda w: router_top_k(x, w, None, (128, 128), experts, top, config=cfg), sets)
+
+        if b.sweep:
+            b.try_configs("router_top_k", shape, nbytes, make, [
+                (f"BN{bn} BK{bk} w{w} split{sk}", {"BN": bn, "BK": bk, "num_warps": w, "SPLIT_K": sk})
+                for bn, bk, w, sk in [(8, 128, 1, 12), (8, 128, 1, 6), (8, 256, 2, 12), (8, 256, 2, 6), (8, 512, 4, 6),
+                                      (8, 512, 4, 3), (4, 512, 2, 6), (4, 256, 1, 12), (16, 256, 2, 6), (16, 512, 4, 3),
+                                      (2, 1024, 4, 3), (4, 1024, 4, 3)]
+            ])
+            apart = median_us(Rotor(lambda w: route_top_k(dense_matmul(x, w)[:, :experts], top), sets))
+            b.sweeps.append({"kernel": "router_top_k", "shape": shape, "config": "GEMV, then route_top_k (2 launches)",
+                             "time_us": round(apart, 2)})
+            print(f"    sweep router_top_k {shape} GEMV then route_top_k: {apart:8.2f} us", flush=True)
+        b.record("router_top_k", shape, nbytes, median_us(make(None)))
+    del sets
 
 
 def bench_int8(b: Bench, quick: bool):
@@ -416,7 +451,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--no-sweep", action="store_true", help="default configurations only")
-    ap.add_argument("--only", default="", help="comma list of: int4,experts,fp8,int8,gdn,attn")
+    ap.add_argument("--only", default="", help="comma list of: int4,experts,fp8,router,int8,gdn,attn")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -428,7 +463,7 @@ def main():
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy:.0f} GB/s (read+write) {copy_ways}", flush=True)
     b = Bench(copy, sweep=not args.no_sweep)
     cases = {"int8": bench_int8, "experts": bench_experts, "int4": bench_int4_dense, "gdn": bench_gdn,
-             "attn": bench_attention, "fp8": bench_fp8}
+             "attn": bench_attention, "fp8": bench_fp8, "router": bench_router}
     only = [c for c in args.only.split(",") if c] or list(cases)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)

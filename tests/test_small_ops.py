@@ -45,6 +45,17 @@ def test_route_top_k_matches_softmax_topk(tokens, experts, k):
 
 
 @runs_here
+def test_route_top_k_takes_the_lowest_index_among_equals():
+    """Equal probabilities go lowest expert first: a fixed order (torch.topk's among equals is unspecified: on the
+    CPU it picks experts 1, 5, 4 of the first row), and an expert masked off (-inf) is never chosen while finite
+    ones remain."""
+    logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0, 1.0], [2.0, -float("inf"), 2.0, 2.0, 0.0, 0.0]], device=DEVICE)
+    got_e, got_w = route_top_k(logits, 3)
+    assert got_e.tolist() == [[1, 2, 4], [0, 2, 3]]
+    assert torch.allclose(got_w, torch.full_like(got_w, 1 / 3))
+
+
+@runs_here
 def test_engine_tokens_with_fused_small_ops(monkeypatch, tmp_path):
     """The pooled engine with the fused norm and router gives the reference path's greedy tokens."""
     from roofline.engine.engine import Engine

@@ -160,7 +160,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
 
 
 def router_top_k(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, block, experts: int,
-                 top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 top_k: int, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router GEMV and its routing in one launch: (logits [..., N], chosen experts [M, top_k] int64, routing
     weights [M, top_k] fp32 summing to 1) for x [..., K] with 1..4 rows; softmax / top-k over the first
     `experts` outputs (the rest, e.g. the shared expert's gate merged in, are only computed)."""
@@ -169,7 +169,7 @@ def router_top_k(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor 
         raise ValueError(f"router_top_k: {experts} experts (top {top_k}) for a weight of {weight.shape[0]} rows")
     chosen = torch.empty(m, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
-    logits = fp8_matmul(x, weight, scale_inv, block, route=(chosen, weights, experts))
+    logits = fp8_matmul(x, weight, scale_inv, block, route=(chosen, weights, experts), config=config)
     return logits, chosen, weights
 
 

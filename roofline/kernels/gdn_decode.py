@@ -171,7 +171,6 @@ def _gdn_decode_kernel(
     NVB, KERNEL: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
     HAS_SLOTS: tl.constexpr, SAVE_STATES: tl.constexpr, SAVE_CONV: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    wait_for_inputs(PDL)
     vb = tl.program_id(0)
     h = tl.program_id(1)
     bi = tl.program_id(2)
@@ -191,12 +190,15 @@ def _gdn_decode_kernel(
     ck = KEY + kh * DK + dk
     cv = 2 * KEY + h * DV + vv
 
-    # issue the state load first: it is the bytes, the conv and norms below overlap with it
+    # issue the state load first: it is the bytes, the conv and norms below overlap with it. Under PDL it goes out
+    # before the wait for the previous kernel: only this kernel writes the state (the step's inputs, slots among
+    # them, are copied in before the first kernel), so it overlaps with the previous kernel's tail too.
     s_ptrs = state_ptr + ((slot * HV + h) * DK + dk[:, None]) * DV + vv[None, :]
     smask = dmask[:, None] & vmask[None, :]
     s = tl.load(s_ptrs, mask=smask, other=0)
     decay_scale = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
+    wait_for_inputs(PDL)  # qkv, z, b, a come from the projections
     for j in tl.static_range(M):
         tok = bi * M + j
         q = _conv_silu(qkv_row, hist, convw_ptr, cq, dmask, C, j, KERNEL, CONV_TY, ty)

@@ -474,7 +474,6 @@ def _down_tc_kernel(
     SHARED: tl.constexpr, RESIDUAL: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
     DEPTH: tl.constexpr = 2,
 ):
-    wait_for_inputs(PDL)
     BN: tl.constexpr = 32 * WN
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -483,6 +482,8 @@ def _down_tc_kernel(
     chunk = pid_s // SLOTS
     slot = pid_s % SLOTS
     colbase = pid_n * BN
+    # Under PDL the routing is read and the first weights are loaded before the wait for gate_up: the router wrote
+    # ids two kernels back, and this kernel only starts once every gate_up program has passed its own wait.
     is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
     if is_owner:
         e64 = e.to(tl.int64)
@@ -490,7 +491,7 @@ def _down_tc_kernel(
         g_start = pid_k * GPS
         g_end = tl.minimum(g_start + GPS, GROUPS)
         y0, y1, _, _ = tc_groups(act32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E,
-                                 colbase, 0, H, g_start, g_end, WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, False,
+                                 colbase, 0, H, g_start, g_end, WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, PDL,
                                  DEPTH)
         y0 = sum_warp_rows(y0, WN, KW)
         y1 = sum_warp_rows(y1, WN, KW)
@@ -500,6 +501,8 @@ def _down_tc_kernel(
         # workspace [SPLIT_K, T*TOPK, H]
         tl.store(ws_ptr + pid_k * (T * TOPK * H) + row0 * H + col, y0 * w0, mask=m0)
         tl.store(ws_ptr + pid_k * (T * TOPK * H) + row1 * H + col, y1 * w1, mask=m1)
+    else:
+        wait_for_inputs(PDL)  # (tc_groups waited in the owners)
     # every program of this (chunk, column tile) arrives; the last sums choices and splits in order
     n_offs = colbase + tl.arange(0, BN)
     n_mask = n_offs < H

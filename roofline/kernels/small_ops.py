@@ -90,20 +90,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def softmax_top_k(z, e, mask, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr):
     """(experts [R, KP] int64, weights [R, KP] fp32) from router logits z [R, BE] (fp32; `mask` [R, BE] or [1, BE]
     keeps the experts e < E, e [1, BE]): per row softmax, the K largest (the lowest index first among equals),
-    renormalised to sum to 1; all rows in one pass."""
+    renormalised to sum to 1; all rows in one pass.
+
+    One reduction per choice: each candidate is an int64 key, the probability's bits (a non-negative float's
+    bits order as integers do) above BE - 1 - e, so the key's maximum is the largest probability with the lowest
+    index among equals; taken ones become -1.0 (a negative key)."""
     z = tl.where(mask, z, -float("inf"))
     p = tl.exp(z - tl.max(z, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
     p = tl.where(mask, p, -1.0)
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BE - 1 - e).to(tl.int64)
     slot = tl.arange(0, KP)[None, :]
     chosen = tl.zeros([z.shape[0], KP], dtype=tl.int64)
     vals = tl.zeros([z.shape[0], KP], dtype=tl.float32)
     for j in tl.static_range(K):
-        best = tl.max(p, axis=1)[:, None]
-        idx = tl.min(tl.where(p == best, e, BE), axis=1)[:, None]
-        chosen = tl.where(slot == j, idx.to(tl.int64), chosen)
-        vals = tl.where(slot == j, best, vals)
-        p = tl.where(e == idx, -1.0, p)
+        best = tl.max(key, axis=1)[:, None]
+        idx = (BE - 1) - (best & 0xFFFFFFFF)
+        chosen = tl.where(slot == j, idx, chosen)
+        vals = tl.where(slot == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), vals)
+        key = tl.where(key == best, -1, key)
     return chosen, vals / tl.sum(vals, axis=1)[:, None]
 
 
