@@ -512,12 +512,15 @@ def _down_tc_kernel(
 
 def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
     """H200 sweeps: down at T=1 fastest with 1-warp programs, 8 per SM (run 3a: 9.9 us vs 11.6 on 2 warps);
-    gate_up on 2 warps, 4 per SM (run 4, T=1: 15.1 us vs 15.9 at 2 per SM; run 7, T=4, with x loaded one step
-    ahead: 28.6 us vs 32.3 on 4 warps); down at T >= 2 on 2 warps."""
+    gate_up at T=1 on 1-warp programs with K split 8 (run 13, block-repacked, one-buffer loop: 12.72 us against
+    14.17 on 2 warps at 4 per SM, split 5), from two tokens on 2 warps, 4 per SM (run 7, T=4, with x loaded one
+    step ahead: 28.6 us vs 32.3 on 4 warps); down at T >= 2 on 2 warps."""
     cfg = dict(default_tc_config(t, 0, 0))
     if not INTERPRET:
         if down:
             cfg = {"WN": 1, "KW": 1, "programs_per_sm": 8.0} if t == 1 else {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
+        elif one_buffer_loop(t):
+            cfg = {"WN": 1, "KW": 1, "SPLIT_K": 8}
         else:
             cfg = {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
         if one_buffer_loop(t):
