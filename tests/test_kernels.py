@@ -405,6 +405,50 @@ def test_dense_matmul_gpu(m, n):
     check_dense(m, n, 3072, torch.bfloat16, GPU, 1e-2)
 
 
+def check_add_norm(m, n, k, fp8, dtype, device, config=None, tol=1e-2):
+    """fp8_matmul(add_norm=...) against add_rms_norm followed by the plain GEMV: h bit for bit, the normed rows within
+    one rounding, the output as the GEMV of the normed rows; the routing too when asked (router_top_k)."""
+    from roofline.kernels.fp8_gemv import AddNorm
+    from roofline.kernels.small_ops import add_rms_norm
+
+    torch.manual_seed(m + n + k)
+    w = torch.randn(n, k)
+    weight, scale = quantize_fp8_block(w, (128, 128)) if fp8 else (w.to(dtype), None)
+    weight, scale = weight.to(device), None if scale is None else scale.to(device)
+    x, res = (torch.randn(m, k, device=device).to(dtype) for _ in range(2))
+    norm_w = (torch.randn(k, device=device) * 0.1).to(dtype)
+    want_h, want_normed = add_rms_norm(x, res, norm_w, 1e-6)
+    h, normed = nan_like(torch.empty(m, k, dtype=dtype, device=device)), nan_like(torch.empty(m, k, dtype=dtype, device=device))
+    y = fp8_matmul(x, weight, scale, (128, 128), config=config, add_norm=AddNorm(res, norm_w, 1e-6, h, normed))
+    assert torch.equal(h, want_h)
+    assert rel_err(normed, want_normed) < 1e-2
+    gemv = fp8_matmul(normed, weight, scale, (128, 128), config=config)
+    assert rel_err(y, gemv) < tol
+    assert torch.equal(fp8_matmul(x, weight, scale, (128, 128), config=config, add_norm=AddNorm(res, norm_w, 1e-6)), y)
+    logits, chosen, _ = router_top_k(x, weight, scale, (128, 128), n - 1, 2, config=config,
+                                     add_norm=AddNorm(res, norm_w, 1e-6, h, normed))
+    assert torch.equal(logits, y) and torch.equal(h, want_h)
+    assert torch.equal(chosen, torch.topk(torch.softmax(y[:, : n - 1].float(), -1), 2, -1).indices)
+    assert_counters_zero()
+
+
+@cpu
+@pytest.mark.parametrize("m,n,k,fp8,config", [
+    (1, 33, 200, False, None),  # split K: every split's programs of the first tile store their K range
+    (3, 17, 640, True, {"SPLIT_K": 1}),  # K over two chunks of the rows' norm, one program per tile
+    (4, 24, 384, False, {"BK": 64, "SPLIT_K": 2}),
+])
+def test_add_norm_prologue_interpreter(m, n, k, fp8, config):
+    check_add_norm(m, n, k, fp8, torch.float16, "cpu", config)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("n,fp8", [(257, False), (2048, True)])  # the 122B's router + shared gate, shared gate_up
+def test_add_norm_prologue_gpu(m, n, fp8):
+    check_add_norm(m, n, 3072, fp8, torch.bfloat16, GPU)
+
+
 def check_router(m, experts, k, fp8, dtype, device, config=None):
     """router_top_k's logits equal the GEMV's, and its routing the softmax / top-k of them (the extra rows, the
     shared expert's gate, outside the routing)."""

@@ -12,6 +12,11 @@ Same math as `DecoderLayer.forward` and `SparseMoE.forward`, rounded where they 
   the routed experts' down kernel, which also adds sigmoid(gate) * shared and the residual
   (`experts_down`'s epilogue): 6 launches where the model code runs ~16. On CUDA the shared expert's
   3 launches run on a second stream beside the router and the routed gate_up (`_common.beside`).
+- the layer's add and second norm go into the MoE block too where the router and the shared expert's
+  gate_up both run on fp8_gemv's kernel (`norms_input`): each takes the mixer's output and the
+  residual and norms on the fly (`fp8_gemv.AddNorm`), and the router's kernel also writes h and the
+  normed rows for the routed experts: one launch a layer fewer, and the shared expert starts a kernel
+  earlier.
 
 Installed by `dispatch.install_fast_path` with the fused small ops; more rows (prefill) run the
 model's own code.
@@ -21,19 +26,33 @@ from __future__ import annotations
 
 import torch
 
-from ..model.layers import MLP, DecoderLayer, SparseMoE
+from ..model.layers import MLP, DecoderLayer, RMSNorm, SparseMoE
 from ..quant import DenseWeight, Fp8BlockWeight
 from ._common import beside
 from .dispatch import MAX_DECODE_ROWS, int4_config, row_count
+from .fp8_gemv import AddNorm, fp8_matmul, router_top_k
 from .small_ops import add_rms_norm, route_top_k, silu_mul
 
 
-def fused_router(moe: SparseMoE):
-    """The dense / FP8 weight whose GEMV can also route (the router merged with the shared expert's gate, or
-    the router alone), or None: the router then runs its GEMV and a top-k kernel (two launches)."""
+def gemv_operands(weight) -> tuple | None:
+    """(weight, scale_inv or None, scale block) of a dense / FP8 weight that runs on fp8_gemv's kernel, else None."""
+    if not isinstance(weight, (DenseWeight, Fp8BlockWeight)) or "forward" not in weight.__dict__:
+        return None
+    if isinstance(weight, Fp8BlockWeight):
+        return weight.weight, weight.scale_inv, weight.block
+    return weight.weight, None, (128, 128)
+
+
+def fused_router(moe: SparseMoE) -> tuple | None:
+    """The operands of the dense / FP8 weight whose GEMV can also route (the router merged with the shared
+    expert's gate, or the router alone), or None: the router then runs its GEMV and a top-k kernel (two launches)."""
     merged = moe.merged["router"].merged
-    weight = merged if merged is not None else moe.gate
-    return weight if isinstance(weight, (DenseWeight, Fp8BlockWeight)) and "forward" in weight.__dict__ else None
+    return gemv_operands(merged if merged is not None else moe.gate)
+
+
+def norms_in_gemvs(moe: SparseMoE) -> bool:
+    """Whether the layer's add and norm can run in the prologues of the MoE block's router and shared gate_up."""
+    return fused_router(moe) is not None and gemv_operands(moe.shared_expert.merged["gate_up"].merged) is not None
 
 
 # Rows up to which the router routes in its GEMV's epilogue. H200, 2026-12-03 (BENCHMARKS.md): with the epilogue
@@ -43,31 +62,47 @@ def fused_router(moe: SparseMoE):
 FUSED_ROUTE_ROWS = 2
 
 
-def _route(moe: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(chosen experts, routing weights fp32, the shared expert's gate logit) for decode rows."""
-    weight = fused_router(moe)
-    if weight is None or row_count(x) > FUSED_ROUTE_ROWS:
+def _route(moe: SparseMoE, x: torch.Tensor, add_norm: AddNorm | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen experts, routing weights fp32, the shared expert's gate logit) for decode rows; with `add_norm`
+    the router's kernel norms its input (and writes add_norm.h / .normed)."""
+    operands = fused_router(moe)
+    if operands is None:
         logits, gate_logit = moe.merged["router"](x)
         return (*route_top_k(logits, moe.top_k), gate_logit)
-    from .fp8_gemv import router_top_k
-
-    fp8 = isinstance(weight, Fp8BlockWeight)
     e = moe.gate.out_features
-    logits, experts, weights = router_top_k(x, weight.weight, weight.scale_inv if fp8 else None,
-                                            weight.block if fp8 else (128, 128), e, moe.top_k)
-    gate_logit = logits[..., e:] if moe.merged["router"].merged is not None else moe.shared_expert_gate(x)
-    return experts, weights, gate_logit
+    if row_count(x) > FUSED_ROUTE_ROWS:
+        logits = fp8_matmul(x, *operands, add_norm=add_norm)
+        experts, weights = route_top_k(logits[..., :e], moe.top_k)
+    else:
+        logits, experts, weights = router_top_k(x, *operands, e, moe.top_k, add_norm=add_norm)
+    if moe.merged["router"].merged is not None:
+        return experts, weights, logits[..., e:]
+    return experts, weights, moe.shared_expert_gate(x if add_norm is None else add_norm.normed)
 
 
-def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """SparseMoE.forward(x) (+ residual) for INT4 routed experts; `syms`: whether gate_up / down are symmetric."""
+def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residual: torch.Tensor | None = None,
+                norm: RMSNorm | None = None) -> torch.Tensor:
+    """SparseMoE.forward(x) (+ residual) for INT4 routed experts; `syms`: whether gate_up / down are symmetric.
+    With `norm` (decode rows, `norms_in_gemvs`): x is the mixer's output and the block returns
+    h + SparseMoE.forward(norm(h)), h = residual + x, the add and the norm done in its GEMVs' prologues."""
     if not 1 <= row_count(x) <= MAX_DECODE_ROWS:
+        if norm is not None:
+            raise ValueError(f"moe_forward: the add and norm run in the decode kernels (1..{MAX_DECODE_ROWS} rows), "
+                             f"got {row_count(x)} rows")
         out = SparseMoE.forward(moe, x)
         return out if residual is None else residual + out
     from .int4_experts import experts_down, experts_gate_up
 
-    shared_out, join = beside(x.device, lambda: moe.shared_expert(x).contiguous())
-    experts, weights, gate_logit = _route(moe, x)
+    if norm is None:
+        shared_out, join = beside(x.device, lambda: moe.shared_expert(x).contiguous())
+        experts, weights, gate_logit = _route(moe, x)
+    else:
+        x, residual = x.contiguous(), residual.contiguous()
+        shared_norm = AddNorm(residual, norm.weight, norm.eps)
+        shared_out, join = beside(x.device, lambda: mlp_forward(moe.shared_expert, x, shared_norm).contiguous())
+        add_norm = AddNorm(residual, norm.weight, norm.eps, torch.empty_like(x), torch.empty_like(x))
+        experts, weights, gate_logit = _route(moe, x, add_norm)
+        x, residual = add_norm.normed, add_norm.h
     gate_up, down = moe.experts.gate_up, moe.experts.down
     act = experts_gate_up(x, experts, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size, sym=syms[0],
                           config=int4_config(gate_up))
@@ -77,12 +112,17 @@ def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residu
                         residual=None if residual is None else residual.contiguous())
 
 
-def mlp_forward(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
-    """MLP.forward with gate and up as one merged projection and silu * up as one kernel."""
+def mlp_forward(mlp: MLP, x: torch.Tensor, add_norm: AddNorm | None = None) -> torch.Tensor:
+    """MLP.forward with gate and up as one merged projection and silu * up as one kernel; with `add_norm` (the MoE
+    block's shared expert, `norms_in_gemvs`) the merged gate_up norms its input in its prologue."""
     both = mlp.merged["gate_up"]
-    if both.merged is None or not 1 <= row_count(x) <= MAX_DECODE_ROWS:
+    if add_norm is not None:
+        gate_up = fp8_matmul(x, *gemv_operands(both.merged), add_norm=add_norm)
+    elif both.merged is None or not 1 <= row_count(x) <= MAX_DECODE_ROWS:
         return MLP.forward(mlp, x)
-    return mlp.down_proj(silu_mul(both.merged(x).reshape(-1, 2 * mlp.gate_proj.out_features)).view(*x.shape[:-1], -1))
+    else:
+        gate_up = both.merged(x)
+    return mlp.down_proj(silu_mul(gate_up.reshape(-1, 2 * mlp.gate_proj.out_features)).view(*x.shape[:-1], -1))
 
 
 def layer_forward(layer: DecoderLayer, x: torch.Tensor, batch) -> torch.Tensor:
@@ -91,7 +131,10 @@ def layer_forward(layer: DecoderLayer, x: torch.Tensor, batch) -> torch.Tensor:
         return DecoderLayer.forward(layer, x, batch)
     mixer = layer.self_attn if layer.layer_type == "full_attention" else layer.linear_attn
     norm = layer.post_attention_layernorm
-    h, normed = add_rms_norm(x, mixer(layer.input_layernorm(x), batch), norm.weight, norm.eps)
+    out = mixer(layer.input_layernorm(x), batch)
+    if getattr(layer.mlp, "norms_input", False):
+        return layer.mlp(out, residual=x, norm=norm)
+    h, normed = add_rms_norm(x, out, norm.weight, norm.eps)
     if getattr(layer.mlp, "adds_residual", False):
         return layer.mlp(normed, residual=h)
     return h + layer.mlp(normed)

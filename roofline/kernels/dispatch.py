@@ -187,7 +187,7 @@ def _install_merged_projections(model: torch.nn.Module, installed: Counter) -> N
 
 def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
     """Decoder layers, MoE blocks and MLPs with fewer launches for decode rows (blocks.py)."""
-    from .blocks import fused_router, layer_forward, mlp_forward, moe_forward
+    from .blocks import fused_router, layer_forward, mlp_forward, moe_forward, norms_in_gemvs
     from .int4_gemv import is_symmetric
 
     apart = 0
@@ -201,6 +201,9 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
                 installed["router + top-k in one launch"] += 1
             else:
                 apart += 1
+            module.norms_input = norms_in_gemvs(module)
+            if module.norms_input:
+                installed["layer add + norm in the router's and shared gate_up's GEMVs"] += 1
         elif isinstance(module, MLP):
             module.forward = partial(mlp_forward, module)
             installed["fused mlp"] += 1
