@@ -405,48 +405,58 @@ def test_dense_matmul_gpu(m, n):
     check_dense(m, n, 3072, torch.bfloat16, GPU, 1e-2)
 
 
-def check_add_norm(m, n, k, fp8, dtype, device, config=None, tol=1e-2):
-    """fp8_matmul(add_norm=...) against add_rms_norm followed by the plain GEMV: h bit for bit, the normed rows within
-    one rounding, the output as the GEMV of the normed rows; the routing too when asked (router_top_k)."""
-    from roofline.kernels.fp8_gemv import AddNorm
+def check_residual_and_norm(m, n, k, fp8, dtype, device, config=None, tol=1e-2):
+    """The layer's add and norm spread over two kernels (blocks.norm_in_gemvs): the INT4 out projection adds the
+    residual and writes per-tile sums of squares (h bit for bit as add_rms_norm's, the sums as h's); the GEMV
+    that norms on load gives the normed rows within one rounding of add_rms_norm's and the output of the GEMV on
+    them; the router routes its own logits."""
+    from roofline.kernels.fp8_gemv import NormOnLoad
+    from roofline.kernels.int4_tc import int4_matmul_residual
     from roofline.kernels.small_ops import add_rms_norm
 
     torch.manual_seed(m + n + k)
-    w = torch.randn(n, k)
+    hidden = 256
+    qweight, qzeros, scales = random_int4(hidden, k, 128, False, device)
+    core, res = torch.randn(m, k, device=device).to(dtype), torch.randn(m, hidden, device=device).to(dtype)
+    cfg = {"tc": True, **(config or {})}
+    h, sumsq = int4_matmul_residual(core, qweight, qzeros, scales, res, sym=False, config=cfg)
+    mixer_out = int4_matmul(core, qweight, qzeros, scales, 128, sym=False, config=cfg)
+    norm_w = (torch.randn(hidden, device=device) * 0.1).to(dtype)
+    want_h, want_normed = add_rms_norm(mixer_out, res, norm_w, 1e-6)
+    assert torch.equal(h, want_h)
+    tiles = h.float().pow(2).reshape(m, sumsq.shape[0], -1).sum(-1).t()  # [tiles, m]
+    torch.testing.assert_close(sumsq[:, :m], tiles, rtol=1e-5, atol=1e-5)
+
+    w = torch.randn(n, hidden)
     weight, scale = quantize_fp8_block(w, (128, 128)) if fp8 else (w.to(dtype), None)
     weight, scale = weight.to(device), None if scale is None else scale.to(device)
-    x, res = (torch.randn(m, k, device=device).to(dtype) for _ in range(2))
-    norm_w = (torch.randn(k, device=device) * 0.1).to(dtype)
-    want_h, want_normed = add_rms_norm(x, res, norm_w, 1e-6)
-    h, normed = nan_like(torch.empty(m, k, dtype=dtype, device=device)), nan_like(torch.empty(m, k, dtype=dtype, device=device))
-    y = fp8_matmul(x, weight, scale, (128, 128), config=config, add_norm=AddNorm(res, norm_w, 1e-6, h, normed))
-    assert torch.equal(h, want_h)
+    normed = nan_like(torch.empty(m, hidden, dtype=dtype, device=device))
+    y = fp8_matmul(h, weight, scale, (128, 128), norm=NormOnLoad(sumsq, norm_w, 1e-6, normed))
     assert rel_err(normed, want_normed) < 1e-2
-    gemv = fp8_matmul(normed, weight, scale, (128, 128), config=config)
-    assert rel_err(y, gemv) < tol
-    assert torch.equal(fp8_matmul(x, weight, scale, (128, 128), config=config, add_norm=AddNorm(res, norm_w, 1e-6)), y)
-    logits, chosen, _ = router_top_k(x, weight, scale, (128, 128), n - 1, 2, config=config,
-                                     add_norm=AddNorm(res, norm_w, 1e-6, h, normed))
-    assert torch.equal(logits, y) and torch.equal(h, want_h)
-    assert torch.equal(chosen, torch.topk(torch.softmax(y[:, : n - 1].float(), -1), 2, -1).indices)
+    assert rel_err(y, fp8_matmul(normed, weight, scale, (128, 128))) < tol
+    assert torch.equal(fp8_matmul(h, weight, scale, (128, 128), norm=NormOnLoad(sumsq, norm_w, 1e-6)), y)
+    logits, chosen, _ = router_top_k(h, weight, scale, (128, 128), n - 1, 2, norm=NormOnLoad(sumsq, norm_w, 1e-6))
+    assert torch.equal(logits, y)
+    probs = torch.softmax(y[:, : n - 1].float(), -1)  # 16-bit logits tie: compare the chosen probabilities
+    assert torch.equal(probs.gather(1, chosen), torch.topk(probs, 2, -1).values)
     assert_counters_zero()
 
 
 @cpu
 @pytest.mark.parametrize("m,n,k,fp8,config", [
-    (1, 33, 200, False, None),  # split K: every split's programs of the first tile store their K range
-    (3, 17, 640, True, {"SPLIT_K": 1}),  # K over two chunks of the rows' norm, one program per tile
-    (4, 24, 384, False, {"BK": 64, "SPLIT_K": 2}),
+    (1, 33, 256, False, None),  # split K
+    (3, 17, 384, True, {"SPLIT_K": 1}),  # every program writes its tile's output
+    (4, 24, 256, False, {"KW": 1, "SPLIT_K": 2}),
 ])
-def test_add_norm_prologue_interpreter(m, n, k, fp8, config):
-    check_add_norm(m, n, k, fp8, torch.float16, "cpu", config)
+def test_residual_and_norm_on_load_interpreter(m, n, k, fp8, config):
+    check_residual_and_norm(m, n, k, fp8, torch.float16, "cpu", config)
 
 
 @gpu
 @pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("n,fp8", [(257, False), (2048, True)])  # the 122B's router + shared gate, shared gate_up
-def test_add_norm_prologue_gpu(m, n, fp8):
-    check_add_norm(m, n, 3072, fp8, torch.bfloat16, GPU)
+def test_residual_and_norm_on_load_gpu(m, n, fp8):
+    check_residual_and_norm(m, n, 8192, fp8, torch.bfloat16, GPU)
 
 
 def check_router(m, experts, k, fp8, dtype, device, config=None):

@@ -12,11 +12,13 @@ Same math as `DecoderLayer.forward` and `SparseMoE.forward`, rounded where they 
   the routed experts' down kernel, which also adds sigmoid(gate) * shared and the residual
   (`experts_down`'s epilogue): 6 launches where the model code runs ~16. On CUDA the shared expert's
   3 launches run on a second stream beside the router and the routed gate_up (`_common.beside`).
-- the layer's add and second norm go into the MoE block too where the router and the shared expert's
-  gate_up both run on fp8_gemv's kernel (`norms_input`): each takes the mixer's output and the
-  residual and norms on the fly (`fp8_gemv.AddNorm`), and the router's kernel also writes h and the
-  normed rows for the routed experts: one launch a layer fewer, and the shared expert starts a kernel
-  earlier.
+- the layer's add and second norm leave their launch where the mixer's out projection is an INT4
+  tensor-core GEMV and the MoE block's router and shared gate_up run on fp8_gemv's kernel
+  (`norm_in_gemvs`, on the pooled decode step): the out projection adds the residual in its epilogue
+  and writes each column tile's sums of squares (int4_tc.int4_matmul_residual), and the router and the
+  shared gate_up norm their input on the fly from those (`fp8_gemv.NormOnLoad`), the router's kernel
+  also writing the normed rows for the routed experts: one launch a layer fewer, and the shared expert
+  starts a kernel earlier. ROOFLINE_NORM_IN_GEMVS=0 keeps the add_rms_norm launch.
 
 Installed by `dispatch.install_fast_path` with the fused small ops; more rows (prefill) run the
 model's own code.
@@ -26,12 +28,17 @@ from __future__ import annotations
 
 import torch
 
-from ..model.layers import MLP, DecoderLayer, RMSNorm, SparseMoE
+import os
+from functools import partial
+
+from ..model.layers import MLP, DecoderLayer, RMSNorm, SlotBatch, SparseMoE
 from ..quant import DenseWeight, Fp8BlockWeight
 from ._common import beside
-from .dispatch import MAX_DECODE_ROWS, int4_config, row_count
-from .fp8_gemv import AddNorm, fp8_matmul, router_top_k
+from .dispatch import MAX_DECODE_ROWS, int4_config, int4_tc_capable, row_count
+from .fp8_gemv import NormOnLoad, fp8_matmul, router_top_k
 from .small_ops import add_rms_norm, route_top_k, silu_mul
+
+NORM_IN_GEMVS = os.environ.get("ROOFLINE_NORM_IN_GEMVS", "1") != "0"
 
 
 def gemv_operands(weight) -> tuple | None:
@@ -50,9 +57,16 @@ def fused_router(moe: SparseMoE) -> tuple | None:
     return gemv_operands(merged if merged is not None else moe.gate)
 
 
-def norms_in_gemvs(moe: SparseMoE) -> bool:
-    """Whether the layer's add and norm can run in the prologues of the MoE block's router and shared gate_up."""
-    return fused_router(moe) is not None and gemv_operands(moe.shared_expert.merged["gate_up"].merged) is not None
+def norm_in_gemvs(layer: DecoderLayer, dtype) -> bool:
+    """Whether the layer's add and second norm can run in its out projection's epilogue and the MoE block's GEMV
+    prologues (see the module docstring); `dtype` is the model's."""
+    moe = layer.mlp
+    if not NORM_IN_GEMVS or not (isinstance(moe, SparseMoE) and isinstance(moe.forward, partial)
+                                 and moe.forward.func is moe_forward):
+        return False
+    out = layer.self_attn.o_proj if layer.layer_type == "full_attention" else layer.linear_attn.out_proj
+    return (fused_router(moe) is not None and gemv_operands(moe.shared_expert.merged["gate_up"].merged) is not None
+            and "residual_forward" in out.__dict__ and int4_tc_capable(out, dtype))
 
 
 # Rows up to which the router routes in its GEMV's epilogue. H200, 2026-12-03 (BENCHMARKS.md): with the epilogue
@@ -62,47 +76,47 @@ def norms_in_gemvs(moe: SparseMoE) -> bool:
 FUSED_ROUTE_ROWS = 2
 
 
-def _route(moe: SparseMoE, x: torch.Tensor, add_norm: AddNorm | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(chosen experts, routing weights fp32, the shared expert's gate logit) for decode rows; with `add_norm`
-    the router's kernel norms its input (and writes add_norm.h / .normed)."""
+def _route(moe: SparseMoE, x: torch.Tensor, norm: NormOnLoad | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen experts, routing weights fp32, the shared expert's gate logit) for decode rows; with `norm` the
+    router's kernel norms its input (and writes norm.normed)."""
     operands = fused_router(moe)
     if operands is None:
         logits, gate_logit = moe.merged["router"](x)
         return (*route_top_k(logits, moe.top_k), gate_logit)
     e = moe.gate.out_features
     if row_count(x) > FUSED_ROUTE_ROWS:
-        logits = fp8_matmul(x, *operands, add_norm=add_norm)
+        logits = fp8_matmul(x, *operands, norm=norm)
         experts, weights = route_top_k(logits[..., :e], moe.top_k)
     else:
-        logits, experts, weights = router_top_k(x, *operands, e, moe.top_k, add_norm=add_norm)
+        logits, experts, weights = router_top_k(x, *operands, e, moe.top_k, norm=norm)
     if moe.merged["router"].merged is not None:
         return experts, weights, logits[..., e:]
-    return experts, weights, moe.shared_expert_gate(x if add_norm is None else add_norm.normed)
+    return experts, weights, moe.shared_expert_gate(x if norm is None else norm.normed)
 
 
 def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residual: torch.Tensor | None = None,
-                norm: RMSNorm | None = None) -> torch.Tensor:
+                sumsq: torch.Tensor | None = None, norm: RMSNorm | None = None) -> torch.Tensor:
     """SparseMoE.forward(x) (+ residual) for INT4 routed experts; `syms`: whether gate_up / down are symmetric.
-    With `norm` (decode rows, `norms_in_gemvs`): x is the mixer's output and the block returns
-    h + SparseMoE.forward(norm(h)), h = residual + x, the add and the norm done in its GEMVs' prologues."""
+    With `sumsq` and `norm` (`norm_in_gemvs`): x is the layer's h, `sumsq` its per-tile sums of squares
+    (int4_tc.int4_matmul_residual), and the block returns h + SparseMoE.forward(norm(h)), the norm done in its
+    GEMVs' prologues."""
     if not 1 <= row_count(x) <= MAX_DECODE_ROWS:
-        if norm is not None:
-            raise ValueError(f"moe_forward: the add and norm run in the decode kernels (1..{MAX_DECODE_ROWS} rows), "
+        if sumsq is not None:
+            raise ValueError(f"moe_forward: the norm runs in the decode kernels (1..{MAX_DECODE_ROWS} rows), "
                              f"got {row_count(x)} rows")
         out = SparseMoE.forward(moe, x)
         return out if residual is None else residual + out
     from .int4_experts import experts_down, experts_gate_up
 
-    if norm is None:
+    if sumsq is None:
         shared_out, join = beside(x.device, lambda: moe.shared_expert(x).contiguous())
         experts, weights, gate_logit = _route(moe, x)
     else:
-        x, residual = x.contiguous(), residual.contiguous()
-        shared_norm = AddNorm(residual, norm.weight, norm.eps)
+        shared_norm = NormOnLoad(sumsq, norm.weight, norm.eps)
         shared_out, join = beside(x.device, lambda: mlp_forward(moe.shared_expert, x, shared_norm).contiguous())
-        add_norm = AddNorm(residual, norm.weight, norm.eps, torch.empty_like(x), torch.empty_like(x))
-        experts, weights, gate_logit = _route(moe, x, add_norm)
-        x, residual = add_norm.normed, add_norm.h
+        routed_norm = NormOnLoad(sumsq, norm.weight, norm.eps, torch.empty_like(x))
+        experts, weights, gate_logit = _route(moe, x, routed_norm)
+        x, residual = routed_norm.normed, x
     gate_up, down = moe.experts.gate_up, moe.experts.down
     act = experts_gate_up(x, experts, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size, sym=syms[0],
                           config=int4_config(gate_up))
@@ -112,12 +126,12 @@ def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residu
                         residual=None if residual is None else residual.contiguous())
 
 
-def mlp_forward(mlp: MLP, x: torch.Tensor, add_norm: AddNorm | None = None) -> torch.Tensor:
-    """MLP.forward with gate and up as one merged projection and silu * up as one kernel; with `add_norm` (the MoE
-    block's shared expert, `norms_in_gemvs`) the merged gate_up norms its input in its prologue."""
+def mlp_forward(mlp: MLP, x: torch.Tensor, norm: NormOnLoad | None = None) -> torch.Tensor:
+    """MLP.forward with gate and up as one merged projection and silu * up as one kernel; with `norm` (the MoE
+    block's shared expert, `norm_in_gemvs`) the merged gate_up norms its input in its prologue."""
     both = mlp.merged["gate_up"]
-    if add_norm is not None:
-        gate_up = fp8_matmul(x, *gemv_operands(both.merged), add_norm=add_norm)
+    if norm is not None:
+        gate_up = fp8_matmul(x, *gemv_operands(both.merged), norm=norm)
     elif both.merged is None or not 1 <= row_count(x) <= MAX_DECODE_ROWS:
         return MLP.forward(mlp, x)
     else:
@@ -131,10 +145,10 @@ def layer_forward(layer: DecoderLayer, x: torch.Tensor, batch) -> torch.Tensor:
         return DecoderLayer.forward(layer, x, batch)
     mixer = layer.self_attn if layer.layer_type == "full_attention" else layer.linear_attn
     norm = layer.post_attention_layernorm
-    out = mixer(layer.input_layernorm(x), batch)
-    if getattr(layer.mlp, "norms_input", False):
-        return layer.mlp(out, residual=x, norm=norm)
-    h, normed = add_rms_norm(x, out, norm.weight, norm.eps)
+    if getattr(layer, "norm_in_gemvs", False) and isinstance(batch, SlotBatch):
+        h, sumsq = mixer.slot_step(layer.input_layernorm(x), batch, residual=x.contiguous())
+        return layer.mlp(h, sumsq=sumsq, norm=norm)
+    h, normed = add_rms_norm(x, mixer(layer.input_layernorm(x), batch), norm.weight, norm.eps)
     if getattr(layer.mlp, "adds_residual", False):
         return layer.mlp(normed, residual=h)
     return h + layer.mlp(normed)

@@ -42,6 +42,20 @@ def int4_config(weight: Int4Weight) -> dict | None:
     return {"qblk": True} if weight.blocked else None
 
 
+def int4_tc_capable(weight: Int4Weight, dtype: torch.dtype) -> bool:
+    """Whether every decode call on this weight with `dtype` activations takes the INT4 tensor-core path."""
+    from .int4_gemv import use_tc
+
+    return use_tc(int4_config(weight)) and _blockable(weight, dtype)
+
+
+def _int4_residual(weight: Int4Weight, sym: bool, x: torch.Tensor, residual: torch.Tensor):
+    from .int4_tc import int4_matmul_residual
+
+    return int4_matmul_residual(x, weight.qweight, weight.qzeros, weight.scales, residual, sym=sym,
+                                config=int4_config(weight))
+
+
 def _int4(weight: Int4Weight, sym: bool, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
     if 1 <= row_count(x) <= MAX_DECODE_ROWS:
         from .int4_gemv import int4_matmul
@@ -141,7 +155,9 @@ def install_weight_kernel(weight: LinearWeight) -> str | None:
     if isinstance(weight, Int4Weight):
         from .int4_gemv import is_symmetric
 
-        weight.forward = partial(_int4, weight, is_symmetric(weight.qzeros))
+        sym = is_symmetric(weight.qzeros)
+        weight.forward = partial(_int4, weight, sym)
+        weight.residual_forward = partial(_int4_residual, weight, sym)  # (h, sumsq): see blocks.norm_in_gemvs
         return "int4"
     if isinstance(weight, Fp8BlockWeight):
         weight.forward = partial(_fp8, weight)
@@ -187,7 +203,7 @@ def _install_merged_projections(model: torch.nn.Module, installed: Counter) -> N
 
 def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
     """Decoder layers, MoE blocks and MLPs with fewer launches for decode rows (blocks.py)."""
-    from .blocks import fused_router, layer_forward, mlp_forward, moe_forward, norms_in_gemvs
+    from .blocks import fused_router, layer_forward, mlp_forward, moe_forward, norm_in_gemvs
     from .int4_gemv import is_symmetric
 
     apart = 0
@@ -201,15 +217,17 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
                 installed["router + top-k in one launch"] += 1
             else:
                 apart += 1
-            module.norms_input = norms_in_gemvs(module)
-            if module.norms_input:
-                installed["layer add + norm in the router's and shared gate_up's GEMVs"] += 1
         elif isinstance(module, MLP):
             module.forward = partial(mlp_forward, module)
             installed["fused mlp"] += 1
         elif isinstance(module, DecoderLayer):
             module.forward = partial(layer_forward, module)
             installed["fused decoder layer"] += 1
+    for module in model.modules():  # after the MoE blocks' own forwards, which norm_in_gemvs checks
+        if isinstance(module, DecoderLayer):
+            module.norm_in_gemvs = norm_in_gemvs(module, model.dtype)
+            if module.norm_in_gemvs:
+                installed["layer add + norm in out_proj's epilogue and the MoE GEMVs' prologues"] += 1
     if apart:
         log.info("%d MoE routers run their GEMV and a separate top-k kernel: the router weight is neither dense "
                  "16-bit nor block FP8 with a decode kernel", apart)

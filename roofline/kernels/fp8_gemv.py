@@ -17,36 +17,37 @@ writes a column tile's final output arrives at one more counter, and the last of
 softmax / top-k of every row (small_ops.softmax_top_k) over the outputs it reads back from L2. That
 takes the separate top-k launch (~3.4 us, and a launch gap) off the MoE block's critical path.
 
-`AddNorm` puts the decoder layer's residual add and the MoE block's input norm in the GEMV's prologue
-(`add_norm=`): x is the mixer's output, h = residual + x and the GEMV multiplies rmsnorm(h) * (1 + w),
-with the roundings of small_ops.add_rms_norm. Each program computes the rows' norm from the whole of h
-(6 KB a row, from L2) and normalises its own K range on the fly; the programs of the first column tile
-also store h and the normed rows (each its K range) when asked, for the kernels after it. The router and
-the shared expert's gate_up both take it, so the add_rms_norm launch leaves the MoE block.
+`NormOnLoad` puts the MoE block's input norm in the GEMV's prologue (`norm=`): x is the layer's h,
+written by the mixer's out projection together with each column tile's sum of h^2 per row
+(int4_tc.int4_matmul_residual), so every program gets the rows' rstd from those few partial sums and
+multiplies rmsnorm(h) * (1 + w), rounded as small_ops.add_rms_norm rounds, on the fly; the programs of
+the first column tile also store the normed rows (each its K range) when asked, for the routed experts.
+The router and the shared expert's gate_up both take it, so the add_rms_norm launch leaves the layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from dataclasses import dataclass
-
-from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, sum_splits, wait_for_inputs
+from ._common import INTERPRET, MAX_ROWS, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, sum_splits, wait_for_inputs
 from .int4_gemv import _sm_count
+from .int4_tc import SUMSQ_ROWS
 from .small_ops import softmax_top_k
 
 
 @dataclass
-class AddNorm:
-    """The prologue of `fp8_matmul(add_norm=...)`: the GEMV's input is rms_norm(residual + x) (zero-centred, weight
-    `weight`, `eps`); `h` / `normed` [M, K] (optional, both or neither) receive residual + x and the normed rows."""
+class NormOnLoad:
+    """The prologue of `fp8_matmul(norm=...)`: the GEMV's input is rms_norm(x) (zero-centred, weight `weight`, `eps`),
+    with x's sums of squares given per column tile (`sumsq` [tiles, MAX_ROWS] fp32, int4_tc.int4_matmul_residual);
+    `normed` [M, K] (optional) receives the normed rows."""
 
-    residual: torch.Tensor
+    sumsq: torch.Tensor
     weight: torch.Tensor
     eps: float
-    h: torch.Tensor | None = None
     normed: torch.Tensor | None = None
 
 
@@ -65,8 +66,8 @@ def _fp8_gemv_kernel(
     SBN: tl.constexpr, SBK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr,
     HAS_SCALE: tl.constexpr = True, PDL: tl.constexpr = False,
     experts_ptr=None, weights_ptr=None, E=0, TOPK: tl.constexpr = 0, KP: tl.constexpr = 1, BE: tl.constexpr = 1,
-    res_ptr=None, nw_ptr=None, h_ptr=None, normed_ptr=None, eps=0.0, ADD_NORM: tl.constexpr = False,
-    NORM_OUT: tl.constexpr = False, KPOW: tl.constexpr = 1,
+    ss_ptr=None, nw_ptr=None, normed_ptr=None, eps=0.0, NT=1, NORM: tl.constexpr = False,
+    NORM_OUT: tl.constexpr = False, NTP: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -84,8 +85,8 @@ def _fp8_gemv_kernel(
     k = k_start + kk
     w_next = tl.load(w_ptr + n_offs[:, None] * K + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
     wait_for_inputs(PDL)  # the first weight tile is in flight; x comes from the previous kernel
-    if ADD_NORM:
-        rstd = _rows_rstd(x_ptr, res_ptr, m, m_mask, K, eps, KPOW)
+    if NORM:
+        rstd = _rows_rstd(ss_ptr, m, m_mask, NT, K, eps, NTP)
     for k0 in range(k_start, k_end, BK):
         k = k0 + kk
         kmask = k < k_end
@@ -95,13 +96,11 @@ def _fp8_gemv_kernel(
         xk = m[:, None] * K + k[None, :]
         xmask = m_mask[:, None] & kmask[None, :]
         x = tl.load(x_ptr + xk, mask=xmask, other=0.0)
-        if ADD_NORM:  # as small_ops.add_rms_norm: h rounded to the model dtype, normed * (1 + w) rounded again
-            h = x + tl.load(res_ptr + xk, mask=xmask, other=0.0)
+        if NORM:  # as small_ops.add_rms_norm: (x * rstd) * (1 + w), rounded to the model dtype
             nw = tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-            x = (h.to(tl.float32) * rstd[:, None] * (1.0 + nw)[None, :]).to(h.dtype)
+            x = (x.to(tl.float32) * rstd[:, None] * (1.0 + nw)[None, :]).to(x.dtype)
             if NORM_OUT:
                 if pid_n == 0:
-                    tl.store(h_ptr + xk, h, mask=xmask)
                     tl.store(normed_ptr + xk, x, mask=xmask)
         x = x.to(tl.float32)
         if HAS_SCALE:  # the block scale of each k (a tile may span several scale blocks along K)
@@ -127,18 +126,11 @@ def _fp8_gemv_kernel(
 
 
 @triton.jit
-def _rows_rstd(x_ptr, res_ptr, m, m_mask, K, eps, KPOW: tl.constexpr):
-    """rsqrt(mean(h^2) + eps) of each row of h = x + residual (rounded to the model dtype first), [BM] fp32: the
-    whole row in chunks of 512, unrolled so that the loads go out together."""
-    CH: tl.constexpr = 512 if KPOW > 512 else KPOW
-    acc = tl.zeros([m.shape[0], CH], dtype=tl.float32)
-    for c in tl.static_range(0, KPOW, CH):
-        k = c + tl.arange(0, CH)
-        offs = m[:, None] * K + k[None, :]
-        mask = m_mask[:, None] & (k < K)[None, :]
-        h = (tl.load(x_ptr + offs, mask=mask, other=0.0) + tl.load(res_ptr + offs, mask=mask, other=0.0)).to(tl.float32)
-        acc += h * h
-    return tl.rsqrt(tl.sum(acc, axis=1) / K + eps)
+def _rows_rstd(ss_ptr, m, m_mask, NT, K, eps, NTP: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) of each row, [BM] fp32, from the NT column tiles' sums of squares ([NT, SUMSQ_ROWS] fp32)."""
+    t = tl.arange(0, NTP)[:, None]
+    parts = tl.load(ss_ptr + t * SUMSQ_ROWS + m[None, :], mask=(t < NT) & m_mask[None, :], other=0.0)
+    return tl.rsqrt(tl.sum(parts, axis=0) / K + eps)
 
 
 @triton.jit
@@ -170,11 +162,11 @@ def default_config(m: int) -> dict:
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, block=(128, 128), *, out=None,
                config: dict | None = None, counters: torch.Tensor | None = None, route: tuple | None = None,
-               add_norm: AddNorm | None = None) -> torch.Tensor:
+               norm: NormOnLoad | None = None) -> torch.Tensor:
     """y = x @ W^T for x [..., K] with 1..4 rows, W block FP8 [N, K] with scale_inv per (bn, bk) block
     (scale_inv None: W is used as it is stored, see dense_matmul). `route` = (experts [M, k] int64, weights
-    [M, k] fp32, E): also write each row's routing over its first E outputs (see router_top_k). `add_norm`:
-    y = rms_norm(add_norm.residual + x) @ W^T (see AddNorm)."""
+    [M, k] fp32, E): also write each row's routing over its first E outputs (see router_top_k). `norm`:
+    y = rms_norm(x) @ W^T (see NormOnLoad)."""
     n, k = weight.shape
     x2, lead = decode_rows(x, k, "fp8_matmul")
     m = x2.shape[0]
@@ -207,33 +199,28 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
         scale_inv.shape[-1] if scale_inv is not None else 0,
         SBN=bn_s, SBK=bk_s, BM=max(1, 1 << (m - 1).bit_length()), BN=bn, BK=bk, SPLIT_K=split, SPLITP=next_pow2(split),
         HAS_SCALE=scale_inv is not None, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
-        **routing, **_add_norm_args(add_norm, x2), **pdl_options(x.device),
+        **routing, **_norm_args(norm, x2), **pdl_options(x.device),
     )
     return out.reshape(*lead, n)
 
 
-def _add_norm_args(add_norm: AddNorm | None, x2: torch.Tensor) -> dict:
-    if add_norm is None:
+def _norm_args(norm: NormOnLoad | None, x2: torch.Tensor) -> dict:
+    if norm is None:
         return {}
     m, k = x2.shape
-    res = add_norm.residual.reshape(-1, k)
-    if tuple(res.shape) != (m, k) or res.dtype != x2.dtype or not res.is_contiguous():
-        raise ValueError(f"add_norm: the residual must be a contiguous {x2.dtype} [{m}, {k}], got "
-                         f"{res.dtype} {list(add_norm.residual.shape)}")
-    outs = (add_norm.h, add_norm.normed)
-    if (outs[0] is None) != (outs[1] is None):
-        raise ValueError("add_norm: give both h and normed, or neither")
-    for o in outs:
-        if o is not None and (o.numel() != m * k or o.dtype != x2.dtype or not o.is_contiguous()):
-            raise ValueError(f"add_norm: h and normed must be contiguous {x2.dtype} with {m}x{k} elements")
-    return dict(res_ptr=res, nw_ptr=add_norm.weight, h_ptr=outs[0] if outs[0] is not None else x2,
-                normed_ptr=outs[1] if outs[1] is not None else x2, eps=add_norm.eps, ADD_NORM=True,
-                NORM_OUT=outs[0] is not None, KPOW=next_pow2(k))
+    ss = norm.sumsq
+    if ss.dim() != 2 or ss.shape[1] != MAX_ROWS or ss.dtype != torch.float32 or not ss.is_contiguous():
+        raise ValueError(f"norm: sumsq must be contiguous fp32 [tiles, {MAX_ROWS}], got {ss.dtype} {list(ss.shape)}")
+    if norm.normed is not None and (norm.normed.numel() != m * k or norm.normed.dtype != x2.dtype
+                                    or not norm.normed.is_contiguous()):
+        raise ValueError(f"norm: normed must be contiguous {x2.dtype} with {m}x{k} elements")
+    return dict(ss_ptr=ss, nw_ptr=norm.weight, normed_ptr=norm.normed if norm.normed is not None else x2, eps=norm.eps,
+                NT=ss.shape[0], NORM=True, NORM_OUT=norm.normed is not None, NTP=next_pow2(ss.shape[0]))
 
 
 def router_top_k(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, block, experts: int,
                  top_k: int, config: dict | None = None,
-                 add_norm: AddNorm | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 norm: NormOnLoad | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router GEMV and its routing in one launch: (logits [..., N], chosen experts [M, top_k] int64, routing
     weights [M, top_k] fp32 summing to 1) for x [..., K] with 1..4 rows; softmax / top-k over the first
     `experts` outputs (the rest, e.g. the shared expert's gate merged in, are only computed)."""
@@ -242,7 +229,7 @@ def router_top_k(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor 
         raise ValueError(f"router_top_k: {experts} experts (top {top_k}) for a weight of {weight.shape[0]} rows")
     chosen = torch.empty(m, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
-    logits = fp8_matmul(x, weight, scale_inv, block, route=(chosen, weights, experts), config=config, add_norm=add_norm)
+    logits = fp8_matmul(x, weight, scale_inv, block, route=(chosen, weights, experts), config=config, norm=norm)
     return logits, chosen, weights
 
 

@@ -52,9 +52,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, wait_for_inputs
+from ._common import INTERPRET, MAX_ROWS, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, wait_for_inputs
 
 GROUP = 128  # the path handles group size 128 (the published checkpoints); others use int4_gemv's lanes path
+SUMSQ_ROWS = tl.constexpr(MAX_ROWS)  # the row stride of int4_matmul_residual's per-tile sums of squares
 
 
 def _gen_asm(bf16: bool) -> str:
@@ -416,7 +417,7 @@ def _gemv_tc_kernel(
     M, N, K2, GROUPS, GPS,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr,
     SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
-    DEPTH: tl.constexpr = 2,
+    DEPTH: tl.constexpr = 2, res_ptr=None, ss_ptr=None, RESIDUAL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -435,8 +436,7 @@ def _gemv_tc_kernel(
     m0 = tok < M
     m1 = tok + 1 < M
     if SPLIT_K == 1:
-        tl.store(out_ptr + o0, y0.to(out_ptr.dtype.element_ty), mask=m0)
-        tl.store(out_ptr + o1, y1.to(out_ptr.dtype.element_ty), mask=m1)
+        _store_tile(out_ptr, res_ptr, ss_ptr, y0, y1, o0, o1, m0, m1, tok, pid_n, M, RESIDUAL)
     else:
         tl.store(ws_ptr + pid_k * M * N + o0, y0, mask=m0)
         tl.store(ws_ptr + pid_k * M * N + o1, y1, mask=m1)
@@ -448,9 +448,29 @@ def _gemv_tc_kernel(
                 ok = sp < SPLIT_K
                 t0 += tl.sum(tl.load(ws_ptr + sp * M * N + o0[None], mask=ok & m0[None], other=0, cache_modifier=".cg"), axis=0)
                 t1 += tl.sum(tl.load(ws_ptr + sp * M * N + o1[None], mask=ok & m1[None], other=0, cache_modifier=".cg"), axis=0)
-            tl.store(out_ptr + o0, t0.to(out_ptr.dtype.element_ty), mask=m0)
-            tl.store(out_ptr + o1, t1.to(out_ptr.dtype.element_ty), mask=m1)
+            _store_tile(out_ptr, res_ptr, ss_ptr, t0, t1, o0, o1, m0, m1, tok, pid_n, M, RESIDUAL)
             reset(cnt_ptr + pid_n)
+
+
+@triton.jit
+def _store_tile(out_ptr, res_ptr, ss_ptr, y0, y1, o0, o1, m0, m1, tok, tile, M, RESIDUAL: tl.constexpr):
+    """A column tile's final output (y0: token rows `tok`, y1: `tok` + 1). With RESIDUAL: out = residual + y, each
+    rounded to the output dtype as the decoder layer's add is, and ss[tile, row] = the fp32 sum of squares of the
+    row's out over the tile's columns (the next norm's partial sums, `int4_matmul_residual`)."""
+    dt = out_ptr.dtype.element_ty
+    if RESIDUAL:
+        h0 = y0.to(dt) + tl.load(res_ptr + o0, mask=m0, other=0)
+        h1 = y1.to(dt) + tl.load(res_ptr + o1, mask=m1, other=0)
+        tl.store(out_ptr + o0, h0, mask=m0)
+        tl.store(out_ptr + o1, h1, mask=m1)
+        f0 = h0.to(tl.float32)
+        f1 = h1.to(tl.float32)
+        for j in tl.static_range(SUMSQ_ROWS):
+            sq = tl.where(tok == j, f0 * f0, 0.0) + tl.where(tok + 1 == j, f1 * f1, 0.0)
+            tl.store(ss_ptr + tile * SUMSQ_ROWS + j, tl.sum(tl.sum(sq, axis=1), axis=0), mask=j < M)
+    else:
+        tl.store(out_ptr + o0, y0.to(dt), mask=m0)
+        tl.store(out_ptr + o1, y1.to(dt), mask=m1)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -520,9 +540,30 @@ def tc_geometry(n: int, k: int, cfg: dict, device, tiles_extra: int = 1) -> tupl
     return tiles, split, gps
 
 
+def int4_matmul_residual(x: torch.Tensor, qweight, qzeros, scales, residual: torch.Tensor, *, sym: bool,
+                         config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, sumsq): h = residual + x @ W^T (the decoder layer's add after its mixer's out projection, each rounded to
+    x's dtype) and sumsq [column tiles, MAX_ROWS] fp32, each tile's sum of h^2 per row, from which the next GEMVs
+    norm h on the fly (fp8_gemv.NormOnLoad). The tensor-core path only (`tc_supported`), else ValueError."""
+    k = qweight.shape[0] * 8
+    n = qweight.shape[1]
+    x2, lead = decode_rows(x, k, "int4_matmul_residual")
+    cfg = default_tc_config(x2.shape[0], n, k)
+    cfg.update(config or {})
+    if not tc_supported(x2, n, k, GROUP, cfg["WN"], (qweight, qzeros, scales)):
+        raise ValueError(f"int4_matmul_residual: [{n}, {k}] on {x2.shape[0]} {x.dtype} rows is not a tensor-core call")
+    res = residual.reshape(x2.shape[0], n)
+    if res.dtype != x.dtype or not res.is_contiguous():
+        raise ValueError(f"int4_matmul_residual: the residual must be contiguous {x.dtype} [{x2.shape[0]}, {n}]")
+    sumsq = torch.empty(n // (32 * cfg["WN"]), MAX_ROWS, dtype=torch.float32, device=x.device)
+    h = int4_matmul_tc(x, qweight, qzeros, scales, sym=sym, config=cfg, epilogue=(res, sumsq))
+    return h, sumsq
+
+
 def int4_matmul_tc(x: torch.Tensor, qweight, qzeros, scales, *, sym: bool, out=None, config: dict | None = None,
-                   counters: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W^T on the tensor-core path (see tc_supported); x [..., K] with 1..4 rows."""
+                   counters: torch.Tensor | None = None, epilogue: tuple | None = None) -> torch.Tensor:
+    """y = x @ W^T on the tensor-core path (see tc_supported); x [..., K] with 1..4 rows. `epilogue` = (residual,
+    sumsq): see int4_matmul_residual."""
     k = qweight.shape[0] * 8
     n = qweight.shape[1]
     x2, lead = decode_rows(x, k, "int4_matmul")
@@ -539,8 +580,8 @@ def int4_matmul_tc(x: torch.Tensor, qweight, qzeros, scales, *, sym: bool, out=N
         WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym), BF16=x.dtype == torch.bfloat16, SPLIT_K=split,
         SPLITP=max(4, next_pow2(split)), EMULATE=None if cfg.get("probe_loads_only") else INTERPRET,
         QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
-        **launch_options(cfg),
-        **pdl_options(x.device),
+        **launch_options(cfg), **pdl_options(x.device),
+        **({} if epilogue is None else dict(res_ptr=epilogue[0], ss_ptr=epilogue[1], RESIDUAL=True)),
     )
     return out.reshape(*lead, n)
 

@@ -23,7 +23,14 @@ from .decode_attention import decode_attention
 from .gdn_decode import gdn_decode
 
 
-def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch, fused_prologue: bool = False) -> torch.Tensor:
+def out_projection(weight, x: torch.Tensor, residual: torch.Tensor | None):
+    """The mixer's out projection; with `residual` (blocks.norm_in_gemvs) its INT4 GEMV also adds the residual and
+    returns (h, per-tile sums of squares)."""
+    return weight(x) if residual is None else weight.residual_forward(x, residual)
+
+
+def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch, fused_prologue: bool = False,
+                        residual: torch.Tensor | None = None):
     n, m = x.shape[0], batch.tokens_per_seq
     qg, k, v = attn.merged["qkv"](x)  # one launch where q/k/v share a format (merge.py)
     qg = qg.view(n, attn.num_heads, 2 * attn.head_dim)  # [query | gate] per head
@@ -45,10 +52,10 @@ def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch,
         q.reshape(n // m, m, attn.num_heads, attn.head_dim), keys, values, batch.lengths,
         attn.head_dim**-0.5, max_len=batch.max_len, slots=batch.kv_slots, gate=gate,  # output gate applied in-kernel
     )
-    return attn.o_proj(out.reshape(n, -1))
+    return out_projection(attn.o_proj, out.reshape(n, -1), residual)
 
 
-def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch, residual: torch.Tensor | None = None):
     step_states, step_conv = (batch.rollback or {}).get(gdn.layer_idx, (None, None))
     (b, a), join = beside(x.device, gdn.merged["b_a"], x)  # the small b/a projection beside the big one
     qkv, z = gdn.merged["qkv_z"](x)  # each pair one launch where its formats agree (merge.py)
@@ -59,7 +66,7 @@ def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch) -> torc
         batch.pool.recurrent[gdn.layer_idx], gdn.num_k_heads, gdn.eps,
         slots=batch.slots, tokens_per_seq=batch.tokens_per_seq, step_states=step_states, step_conv=step_conv,
     )
-    return gdn.out_proj(core)
+    return out_projection(gdn.out_proj, core, residual)
 
 
 FLA_MIN_TOKENS = 16  # shorter spans (decode, verify) are not worth a chunked launch
