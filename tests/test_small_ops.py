@@ -181,7 +181,10 @@ def test_router_gemv_routes_as_the_top_k_kernel(merged):
     assert torch.equal(gate_logit, shared_gate(x))  # merged: the router's last output column
 
     # the layer's norm in the router's prologue (blocks.norm_in_gemvs), at 2 rows (one launch) and 3 (the GEMV, then
-    # route_top_k), from h's per-tile sums of squares: as rms_norm followed by the router
+    # route_top_k), from h's per-tile sums of squares: the normed rows it writes are rms_norm's within a rounding, and
+    # it routes exactly as the router on those rows (the GEMV multiplies the rows rounded to the model dtype). Not
+    # compared with routing on rms_norm's own rows: these logits reach ~+-50, where one bf16 rounding of an input
+    # moves a routing weight by more than any tolerance worth having (that comparison failed on an H200 in bf16).
     from roofline.kernels.fp8_gemv import NormOnLoad
 
     norm_w = (torch.randn(256, device=DEVICE) * 0.1).to(dtype)
@@ -190,9 +193,8 @@ def test_router_gemv_routes_as_the_top_k_kernel(merged):
         sumsq = torch.zeros(8, 4, device=DEVICE)
         sumsq[:, :rows] = h.float().pow(2).reshape(rows, 8, 32).sum(-1).t()
         want_normed = rms_norm(h, norm_w, 1e-6)
-        want_e, want_w, want_gate = _route(moe, want_normed)
         norm = NormOnLoad(sumsq, norm_w, 1e-6, torch.empty_like(h))
         experts, weights, gate_logit = _route(moe, h, norm)
         assert (norm.normed.float() - want_normed.float()).abs().max() <= 1e-2 * want_normed.float().abs().max()
-        assert torch.equal(experts, want_e) and torch.allclose(weights, want_w, atol=1e-3)
-        assert torch.allclose(gate_logit.float(), want_gate.float(), rtol=2e-2, atol=2e-2)
+        want_e, want_w, want_gate = _route(moe, norm.normed)
+        assert torch.equal(experts, want_e) and torch.equal(weights, want_w) and torch.equal(gate_logit, want_gate)
