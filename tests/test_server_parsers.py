@@ -8,15 +8,18 @@ import random
 
 import pytest
 
-from roofline.commands.flags import parse_speculative_config
-from roofline.commands.serve import parse_bytes
-from roofline.errors import UserError
-from roofline.server.app import ChatPrep, ChatText
-from roofline.server.metrics import Metrics
-from roofline.server.protocol import APIError, ChatCompletionRequest, parse_request
-from roofline.server.reasoning import ReasoningSplitter, split_reasoning
-from roofline.server.tools import ToolCallParser, collect, delta_to_openai, parse_tool_calls, typed_value
-from server_fixtures import model_dir
+pytest.importorskip("fastapi", reason="the server's request handling needs fastapi (a main dependency; the GPU machine "
+                    "runs the kernel tests without it)")
+
+from roofline.commands.flags import parse_speculative_config  # noqa: E402
+from roofline.commands.serve import parse_bytes  # noqa: E402
+from roofline.errors import UserError  # noqa: E402
+from roofline.server.app import ChatPrep, ChatText  # noqa: E402
+from roofline.server.metrics import Metrics  # noqa: E402
+from roofline.server.protocol import APIError, ChatCompletionRequest, parse_request  # noqa: E402
+from roofline.server.reasoning import ReasoningSplitter, split_reasoning  # noqa: E402
+from roofline.server.tools import ToolCallParser, collect, delta_to_openai, parse_tool_calls, typed_value  # noqa: E402
+from server_fixtures import model_dir  # noqa: E402
 
 WEATHER = [{
     "type": "function",
