@@ -98,9 +98,11 @@ def counters_for(user: str, size: int, device: torch.device) -> torch.Tensor:
 # still runs; it issues its first weight loads (memory no kernel of the step writes), then
 # `wait_for_inputs` blocks until the previous kernel has finished and its writes are visible, and
 # lets the next kernel launch in turn. That hides the launch gap and the first loads' latency
-# behind the previous kernel's tail. Safe by construction: before the wait a kernel reads only
-# weights and writes nothing; the next kernel launches only after every program has passed its
-# wait, so a kernel started early never overtakes one two steps back. ROOFLINE_PDL=0 opts out.
+# behind the previous kernel's tail. Safe by construction: before the wait a kernel writes nothing
+# and reads only what no kernel that may still run writes (weights; a GDN layer's own recurrent
+# state; the routing, which the experts' down kernel reads two kernels after the router); the next
+# kernel launches only after every program has passed its wait, so a kernel started early never
+# overtakes one two steps back. ROOFLINE_PDL=0 opts out.
 PDL_ENABLED = os.environ.get("ROOFLINE_PDL", "1") != "0"
 
 

@@ -26,10 +26,10 @@ model's own code.
 
 from __future__ import annotations
 
-import torch
-
 import os
 from functools import partial
+
+import torch
 
 from ..model.layers import MLP, DecoderLayer, RMSNorm, SlotBatch, SparseMoE
 from ..quant import DenseWeight, Fp8BlockWeight
