@@ -718,7 +718,8 @@ def pdl_problems(name: str, ptx: str, prefetch: bool) -> list[str]:
 def check_asm_layouts(target_arch: int = 90) -> list[str]:
     """Compile the tc kernels for `target_arch` (no GPU needed) and return a problem per inline-asm operand
     layout that does not put the 32 lanes of each warp along the tile rows with the 4 columns in registers,
-    and per kernel whose programmatic-dependent-launch code is missing or waits before its first weight loads.
+    and per kernel whose programmatic-dependent-launch code is missing or (the GEMV, the experts' down) waits before
+    its first weight loads.
 
     The asm reads mma fragments straight from registers, so it is only right when Triton lays the
     [L, 4] tiles out that way; Triton picks the layout (run 3a: a 5-D tile got another lane order
@@ -748,7 +749,8 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     gemv_sig = {"x32_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
                 "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K2": "i32", "GROUPS": "i32", "GPS": "i32", "WN": "constexpr",
                 "KW": "constexpr", "SYM": "constexpr", "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr",
-                "EMULATE": "constexpr", "QBLK": "constexpr", "PDL": "constexpr", "DEPTH": "constexpr"}
+                "EMULATE": "constexpr", "QBLK": "constexpr", "PDL": "constexpr", "DEPTH": "constexpr", "res_ptr": "*bf16",
+                "ss_ptr": "*fp32", "RESIDUAL": "constexpr"}
     expert_common = {"T": "i32", "GROUPS": "i32", "GPS": "i32", "QW_E": "i32", "QZ_E": "i32", "SC_E": "i32", "TOPK": "constexpr",
                      "TOPKP": "constexpr", "CH": "constexpr", "WN": "constexpr", "KW": "constexpr", "SYM": "constexpr",
                      "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr", "QBLK": "constexpr",
@@ -759,11 +761,11 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "sh_ptr": "*bf16", "sg_ptr": "*bf16", "SG_STRIDE": "i32",
                 "res_ptr": "*bf16", "SHARED": "constexpr", "RESIDUAL": "constexpr", "I2": "i32", "H": "i32", **expert_common}
     cases = [("gemv", _gemv_tc_kernel, gemv_sig, {"WN": wn, "KW": kw, "SYM": sym, "BF16": True, "SPLITP": 4, "EMULATE": False,
-                                                  "QBLK": False, "PDL": True, "DEPTH": 2})
+                                                  "QBLK": False, "PDL": True, "DEPTH": 2, "RESIDUAL": False})
              for wn, kw, sym in [(4, 1, True), (4, 1, False), (2, 2, True)]]
     cases += [("gemv qblk", _gemv_tc_kernel, gemv_sig,
                {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": True, "PDL": True,
-                "DEPTH": depth}) for depth in (2, 1)]
+                "DEPTH": depth, "RESIDUAL": residual}) for depth, residual in [(2, False), (1, False), (1, True)]]
     cases += [(name, fn, sig, {"TOPK": 8, "TOPKP": 8, "CH": ch, "WN": wn, "KW": 1, "SYM": sym, "BF16": True, "SPLITP": 8,
                                "EMULATE": False, "QBLK": qblk, "PDL": True, "DEPTH": depth})
               for name, fn, sig in [("gate_up", _gate_up_tc_kernel, gate_up_sig), ("down", _down_tc_kernel, down_sig)]
@@ -781,7 +783,7 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
         compiled = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target,
                                   options={"num_warps": warps, "num_stages": 1})
         found = layouts(compiled.asm["ttgir"])
-        problems += pdl_problems(name, compiled.asm["ptx"], prefetch=name.startswith("gemv"))
+        problems += pdl_problems(name, compiled.asm["ptx"], prefetch=name.startswith("gemv") or name == "down")
         if not found:
             problems.append(f"{name} {consts}: no inline asm found")
         problems += [f"{name} {consts}: {lay}" for lay in found if not good(lay)]
