@@ -153,9 +153,11 @@ def bench_int4_dense(b: Bench, quick: bool):
     shapes = {
         "gdn.in_proj_qkv": (12288, 3072), "gdn.in_proj_z": (8192, 3072), "gdn.out_proj": (3072, 8192),
         "attn.q_proj": (16384, 3072), "attn.k_proj": (512, 3072), "attn.o_proj": (3072, 8192),
+        # the merged projections the decode step runs (kernels/merge.py)
+        "gdn.in_proj_qkv+z": (20480, 3072), "attn.q+k+v": (17408, 3072),
     }
     if quick:
-        shapes = {k: shapes[k] for k in ("gdn.in_proj_qkv", "gdn.out_proj")}
+        shapes = {k: shapes[k] for k in ("gdn.in_proj_qkv", "gdn.out_proj", "gdn.in_proj_qkv+z", "attn.q+k+v")}
     for name, (n, k) in shapes.items():
         wbytes = int4_bytes(n, k)
         sets = [random_int4(n, k) for _ in range(copies_for(wbytes))]
@@ -184,6 +186,11 @@ def bench_int4_dense(b: Bench, quick: bool):
                     # with one step in flight: the one-buffer loop (tc_groups DEPTH=1) at 4-8 programs per SM
                     cfgs += [(f"tc qblk depth1 WN4 pps{pps}", {"tc": True, "WN": 4, "KW": 1, "qblk": True, "depth": 1,
                                                               "programs_per_sm": pps}) for pps in (4, 6, 8)]
+                if "+" in name and m == 1:
+                    # the default K split (6 programs per SM, rounded up) gives 800 / 816 programs where 792 are sized
+                    # for: fewer splits keep them to one wave (NOTES-kernels, "For the next session")
+                    cfgs += [(f"tc qblk depth1 WN4 split{sk}", {"tc": True, "WN": 4, "KW": 1, "qblk": True, "depth": 1,
+                                                               "SPLIT_K": sk}) for sk in (4, 5, 6)]
                 b.try_configs("int4_gemv", shape, nbytes, make, cfgs)
             t = median_us(make(None))
             base = median_us(Rotor(lambda w: F.linear(x, w), [(w,) for w in dense]))
