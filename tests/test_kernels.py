@@ -557,6 +557,37 @@ def test_gdn_decode_gpu(bsz, block_v):
     check_gdn(bsz, 16, 64, 128, 128, torch.bfloat16, GPU, block_v)
 
 
+def check_gdn_ba(bsz, m, hk, hv, dk, dv, hidden, dtype, device, tol):
+    """gdn_decode taking the b / a dots itself (ba=(x, weight), ROOFLINE_GDN_BA_IN_KERNEL) against the same step
+    given the b / a GEMV's outputs, rounded to the model dtype as dense_matmul's are."""
+    args, c = gdn_inputs(bsz, hk, hv, dk, dv, dtype, device)
+    args.pop("b"), args.pop("a")
+    given = {k: v.clone() for k, v in args.items()}
+    x = torch.randn(bsz * m, hidden, device=device).to(dtype)
+    weight = (torch.randn(2 * hv, hidden, device=device) / hidden**0.5).to(dtype)
+    ba_out = (x.float() @ weight.float().t()).to(dtype)
+    qkv = torch.randn(bsz * m, c, device=device).to(dtype)
+    z = torch.randn(bsz * m, hv * dv, device=device).to(dtype)
+    given["z"] = args["z"] = z
+    y = gdn_decode(qkv, b=None, a=None, num_k_heads=hk, tokens_per_seq=m, ba=(x, weight), **args)
+    want = gdn_decode(qkv, b=ba_out[:, :hv], a=ba_out[:, hv:], num_k_heads=hk, tokens_per_seq=m, **given)
+    assert rel_err(y, want) < tol
+    assert rel_err(args["state"], given["state"]) < tol
+    assert_counters_zero()
+
+
+@cpu
+@pytest.mark.parametrize("bsz,m,dtype", [(2, 1, torch.float32), (1, 3, torch.float16)])
+def test_gdn_decode_takes_the_ba_dots_interpreter(bsz, m, dtype):
+    check_gdn_ba(bsz, m, 2, 4, 16, 16, 600, dtype, "cpu", 2e-3)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 3])
+def test_gdn_decode_takes_the_ba_dots_gpu(m):
+    check_gdn_ba(1, m, 16, 64, 128, 128, 3072, torch.bfloat16, GPU, 1e-2)
+
+
 def test_gdn_reference_matches_model():
     """gdn_decode_reference is GatedDeltaNet's causal_conv + recurrence + gated_norm for one token."""
     from roofline.engine.cache import SequenceCache

@@ -351,6 +351,11 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
     if installed["gdn decode"] and not fla and device.type == "cuda":
         log.warning("GDN prefill runs the PyTorch loop over tokens: fla-core is not installed (pip install 'roofline[gpu]')")
     _install_merged_projections(model, installed)
+    from .mixers import GDN_BA_IN_KERNEL, ba_in_kernel
+
+    if GDN_BA_IN_KERNEL:
+        installed["gdn b/a dots in the GDN kernel (ROOFLINE_GDN_BA_IN_KERNEL=1, experiment)"] += sum(
+            1 for m in model.modules() if isinstance(m, GatedDeltaNet) and ba_in_kernel(m) is not None)
     block, why = block_int4_wanted(speculative)
     if block:
         _block_int4_weights(model, model.dtype, installed)
