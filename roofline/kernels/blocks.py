@@ -27,7 +27,6 @@ model's own code.
 from __future__ import annotations
 
 import os
-from functools import partial
 
 import torch
 
@@ -61,8 +60,7 @@ def norm_in_gemvs(layer: DecoderLayer, dtype) -> bool:
     """Whether the layer's add and second norm can run in its out projection's epilogue and the MoE block's GEMV
     prologues (see the module docstring); `dtype` is the model's."""
     moe = layer.mlp
-    if not NORM_IN_GEMVS or not (isinstance(moe, SparseMoE) and isinstance(moe.forward, partial)
-                                 and moe.forward.func is moe_forward):
+    if not NORM_IN_GEMVS or not getattr(moe, "adds_residual", False):  # set where moe_forward is installed
         return False
     out = layer.self_attn.o_proj if layer.layer_type == "full_attention" else layer.linear_attn.out_proj
     return (fused_router(moe) is not None and gemv_operands(moe.shared_expert.merged["gate_up"].merged) is not None

@@ -313,7 +313,7 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
         log.warning("fast path not used: Triton is not installed (pip install 'roofline[gpu]'); running the PyTorch reference path")
         return result
     from .int4_gemv import is_symmetric
-    from .mixers import attention_slot_step, fla_chunked_recurrence, gdn_slot_step
+    from .mixers import GDN_BA_IN_KERNEL, attention_slot_step, ba_in_kernel, fla_chunked_recurrence, gdn_slot_step
 
     fla = _fla_available() if device.type == "cuda" else False  # fla's kernels need CUDA (not the interpreter)
 
@@ -351,8 +351,6 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
     if installed["gdn decode"] and not fla and device.type == "cuda":
         log.warning("GDN prefill runs the PyTorch loop over tokens: fla-core is not installed (pip install 'roofline[gpu]')")
     _install_merged_projections(model, installed)
-    from .mixers import GDN_BA_IN_KERNEL, ba_in_kernel
-
     if GDN_BA_IN_KERNEL:
         installed["gdn b/a dots in the GDN kernel (ROOFLINE_GDN_BA_IN_KERNEL=1, experiment)"] += sum(
             1 for m in model.modules() if isinstance(m, GatedDeltaNet) and ba_in_kernel(m) is not None)

@@ -80,11 +80,12 @@ def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch, residua
     ba_weight = ba_in_kernel(gdn)
     if ba_weight is None:
         (b, a), join = beside(x.device, gdn.merged["b_a"], x)  # the small b/a projection beside the big one
+    else:
+        (b, a), join = (None, None), lambda: None  # the GDN kernel takes the dots
     qkv, z = gdn.merged["qkv_z"](x)  # each pair one launch where its formats agree (merge.py)
-    if ba_weight is None:
-        join()
+    join()
     core = gdn_decode(
-        qkv, z, *((b, a) if ba_weight is None else (None, None)),
+        qkv, z, b, a,
         batch.pool.conv[gdn.layer_idx], gdn.conv1d.weight, gdn.A_log, gdn.dt_bias, gdn.norm.weight,
         batch.pool.recurrent[gdn.layer_idx], gdn.num_k_heads, gdn.eps,
         slots=batch.slots, tokens_per_seq=batch.tokens_per_seq, step_states=step_states, step_conv=step_conv,
