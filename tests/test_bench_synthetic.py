@@ -54,7 +54,7 @@ def test_synthetic_command_on_gpu(tmp_path):
     out = tmp_path / "r.json"
     result = subprocess.run(
         [sys.executable, "-m", "roofline.cli", "bench", "synthetic", "--shape", "qwen3.5-35b-a3b", "--layers", "4",
-         "--contexts", "0,2K", "--repeats", "3", "--capacity", "4K", "--profile", "--out", str(out)],
+         "--contexts", "0,2K", "--repeats", "3", "--capacity", "4K", "--profile", "--engine-tokens", "40", "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
@@ -70,3 +70,26 @@ def test_synthetic_command_on_gpu(tmp_path):
     if not prof["programmatic_dependent_launch"]:  # kernels one after another: their time fits in the span
         assert prof["kernel_us_per_step"] <= prof["span_us_per_step"]
     assert any("gate_up" in k["name"] for k in prof["by_kernel"]), prof["by_kernel"][:5]  # the grouped experts kernel
+    loop = r["engine_loop"]  # the engine's own decode loop: async scheduling launches every step after the first ahead
+    assert len(loop) == 4 and all(e["tokens"] == 40 and e["tok_s"] > 0 for e in loop)
+    assert [e["steps_launched_ahead"] for e in loop] == [0, 39, 0, 39]
+    assert [e["tokens_equal_async_off"] for e in loop] == [None, True, None, True]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU runs it in the command above")
+def test_engine_loop_measures_async_scheduling_on_the_synthetic_model():
+    """The engine-loop rows (greedy / sampled x async scheduling off / on) on the tiny shape, the pooled step in
+    Triton's interpreter: async scheduling launches every decode step but the last one ahead, with the same tokens."""
+    pytest.importorskip("triton")
+    from roofline.bench.synthetic import engine_loop
+    from roofline.kernels.dispatch import install_fast_path
+
+    model, _ = build_synthetic_model("tiny", resolve_layout("bf16"), "cpu", torch.float32)
+    assert install_fast_path(model, allow_cpu=True).graph_ready
+    rows = engine_loop(model, tokens=5, warmup=1, prompt_tokens=4)
+    assert [(r["sampling"], r["async_scheduling"]) for r in rows] == [
+        ("greedy", False), ("greedy", True), ("sampled", False), ("sampled", True)]
+    for r in rows:
+        assert r["tokens"] == 5 and r["ms_per_token"] > 0
+        assert r["tokens_equal_async_off"] is (True if r["async_scheduling"] else None)
+        assert r["steps_launched_ahead"] == (4 if r["async_scheduling"] else 0)  # every token after the first

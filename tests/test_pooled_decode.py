@@ -156,3 +156,89 @@ def test_cuda_graph_greedy_tokens_equal_reference(checkpoint, k):
     want = greedy(reference, prompts, n=24)
     assert greedy(pooled, prompts, n=24) == want
     assert pooled.graphs.replays > 0, "decode steps replay captured graphs"
+
+
+def run_schedule(engine, schedule):
+    """Steps `engine` to the end, adding or cancelling sequences before given step() calls: schedule maps a call
+    index to ("add", prompt, params) or ("cancel", index of an added sequence). Returns the sequences and each
+    one's (token, logprob, top logprobs) events in order; a cancelled sequence gets none after its cancel."""
+    seqs, events, calls, cancelled = [], {}, 0, {}
+    while engine.sequences or calls in schedule or calls < max(schedule, default=0):
+        action = schedule.get(calls)
+        if action and action[0] == "add":
+            seqs.append(engine.add(action[1], action[2]))
+        elif action:
+            engine.cancel(seqs[action[1]])
+            cancelled[action[1]] = len(events.get(seqs[action[1]].request_id, []))
+        for seq, event in engine.step():
+            events.setdefault(seq.request_id, []).append((event.token_id, event.logprob, event.top_logprobs, event.finish_reason))
+        calls += 1
+    for index, count in cancelled.items():
+        assert len(events.get(seqs[index].request_id, [])) == count == len(seqs[index].output_ids)
+    return seqs, [events.get(s.request_id, []) for s in seqs]
+
+
+def assert_same_events(got, want):
+    assert [[e[0] for e in seq] for seq in got] == [[e[0] for e in seq] for seq in want]
+    assert [[e[3] for e in seq] for seq in got] == [[e[3] for e in seq] for seq in want]
+    for g_seq, w_seq in zip(got, want):
+        for g, w in zip(g_seq, w_seq):
+            assert g[1] == pytest.approx(w[1], abs=1e-4)
+            assert (g[2] is None) == (w[2] is None)
+            if g[2] is not None:
+                assert [t for t, _ in g[2]] == [t for t, _ in w[2]]
+                assert [v for _, v in g[2]] == pytest.approx([v for _, v in w[2]], abs=1e-4)
+
+
+@cpu
+def test_async_scheduling_keeps_every_token_logprob_and_stop(checkpoint):
+    """Steps launched ahead from the device's tokens give what one-at-a-time steps give: greedy and seeded
+    sampling, top logprobs, sequences of different lengths, one joining mid-way, one cancelled mid-way."""
+    def params(**kw):
+        return SamplingParams(**{"temperature": 0.0, "max_tokens": 5, **kw})
+
+    schedule = {0: ("add", PROMPTS[0], params(logprobs=2)),
+                1: ("add", PROMPTS[1], params(temperature=0.9, top_k=20, seed=3, max_tokens=7)),
+                2: ("add", PROMPTS[2], params(max_tokens=3)),
+                4: ("add", PROMPTS[0][:4], params(temperature=0.7, top_p=0.9, seed=5, max_tokens=9)),
+                8: ("cancel", 3)}  # while a step launched ahead holds its row
+    results = {}
+    for on in (False, True):
+        engine = Engine.from_pretrained(str(checkpoint), device="cpu", dtype="float32", cuda_graphs=True,
+                                        max_num_seqs=4, async_scheduling=on)
+        seqs, events = run_schedule(engine, schedule)
+        results[on] = events
+        assert (engine.steps_launched_ahead > 0) == on
+        assert sorted(engine.pool.free) == list(range(4)), "every slot goes back, the cancelled one too"
+        assert 0 < len(seqs[3].output_ids) < 9, "cancelled before its end"
+    # The cancel lands after a given number of step() calls, which yield tokens on different schedules: the
+    # cancelled sequence's tokens only have to agree as far as both got.
+    cut = min(len(results[True][3]), len(results[False][3]))
+    for on in results:
+        results[on][3] = results[on][3][:cut]
+    assert_same_events(results[True], results[False])
+
+
+@cpu
+def test_async_scheduling_drops_the_row_after_a_stop_token(checkpoint, caplog):
+    """A sequence that stops on the token read drops its row of the step launched ahead; its slot, zeroed for the
+    next sequence, gives that sequence the tokens a fresh engine gives. A penalised sequence runs one step at a time."""
+    engine = Engine.from_pretrained(str(checkpoint), device="cpu", dtype="float32", cuda_graphs=True, max_num_seqs=1)
+    free_run = greedy(engine, PROMPTS[:1], n=6)[0]
+    stop_at = free_run[2]
+    seq = engine.add(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[stop_at]))
+    while engine.sequences:
+        engine.step()
+    stopped = free_run[: free_run.index(stop_at) + 1]
+    assert seq.output_ids == stopped and seq.finish_reason == "stop"
+    assert engine.steps_launched_ahead > 0
+    assert greedy(engine, PROMPTS[1:2], n=4) == greedy(
+        Engine.from_pretrained(str(checkpoint), device="cpu", dtype="float32", cuda_graphs=True, max_num_seqs=1), PROMPTS[1:2], n=4)
+    assert seq.output_ids == stopped, "the row launched ahead after the stop was dropped, not appended"
+    before = engine.steps_launched_ahead
+    with caplog.at_level("INFO", logger="roofline.engine"):
+        penalised = engine.add(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3, repetition_penalty=1.2))
+        while engine.sequences:
+            engine.step()
+    assert len(penalised.output_ids) == 3 and engine.steps_launched_ahead == before
+    assert "async scheduling off for steps where a repetition, presence or frequency penalty" in caplog.text

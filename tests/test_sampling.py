@@ -142,9 +142,10 @@ def test_logprobs_come_from_the_raw_distribution():
     assert result.token_ids.dtype == torch.long and result.logprobs.dtype == torch.float32
     torch.testing.assert_close(result.logprobs, raw.gather(1, result.token_ids[:, None])[:, 0])
     top_values, top_ids = raw[0].topk(3)
-    assert [token for token, _ in result.top_logprobs[0]] == top_ids.tolist()
-    assert [value for _, value in result.top_logprobs[0]] == pytest.approx(top_values.tolist())
-    assert result.top_logprobs[1] == [] and result.top_logprobs[2] is None
+    top = result.top_logprobs.rows()
+    assert [token for token, _ in top[0]] == top_ids.tolist()
+    assert [value for _, value in top[0]] == pytest.approx(top_values.tolist())
+    assert top[1] == [] and top[2] is None
 
 
 def test_temperature_sampling_matches_softmax():

@@ -16,6 +16,9 @@ measures in the same run:
   captured as its own graph over all layers; "rest" is the whole step minus their sum;
 - the MTP draft step and the tok/s of MTP-k at stated acceptance rates, labelled modelled
   (random weights say nothing about acceptance);
+- the engine's own decode loop (`Engine.step`: sampling, each token read back, length checks),
+  greedy and with Qwen3.5's recommended sampling, with async scheduling off and on: the speed
+  a user of one stream gets, and whether launching the next step ahead hides the host's part;
 - peak GPU memory.
 """
 
@@ -25,6 +28,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -34,7 +38,9 @@ from ..checkpoint.reader import TensorInfo
 from ..checkpoint.shapes import PLANNED, describe_layout, layout_tensors, shape_config
 from ..config import ModelConfig
 from ..engine.cache import CachePool, SlotCache
+from ..engine.engine import Engine
 from ..engine.graphs import DecodeGraphs
+from ..engine.sampling import SamplingParams
 from ..kernels.dispatch import install_fast_path, install_weight_kernel
 from ..model.layers import SlotBatch
 from ..quant.base import LinearWeight
@@ -246,6 +252,35 @@ def modelled_mtp(decode_1: float, verify: dict[int, float], draft: float, accept
     return rows
 
 
+# The engine loop's sampling: greedy, and Qwen3.5's recommended thinking-mode sampling (a top-k/top-p filter
+# over the whole vocabulary every token).
+ENGINE_SAMPLING = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "seed": 0}}
+
+
+def engine_loop(model, tokens: int = 256, warmup: int = 16, prompt_tokens: int = 16) -> list[dict]:
+    """Per sampling mode and async scheduling off / on: ms per token of `Engine.step` decoding one sequence
+    (after a short prompt and `warmup` tokens, which cover the graph capture), the steps launched ahead, and
+    whether the tokens equal those with async scheduling off (they must)."""
+    rows = []
+    for name, sampling in ENGINE_SAMPLING.items():
+        tokens_off = None  # the run with async scheduling off comes first
+        for on in (False, True):
+            engine = Engine(model, None, Path("synthetic"), max_model_len=prompt_tokens + tokens + 1, pooled_decode=True,
+                            max_num_seqs=1, async_scheduling=on)
+            seq = engine.add([1] * prompt_tokens, SamplingParams(max_tokens=tokens, ignore_eos=True, **sampling))
+            stamps = []
+            while engine.sequences:
+                if engine.step():  # one sequence: one token per call
+                    stamps.append(time.perf_counter())
+            steady = stamps[warmup:]
+            ms = (steady[-1] - steady[0]) / max(1, len(steady) - 1) * 1e3
+            rows.append({"sampling": name, "async_scheduling": on, "tokens": len(seq.output_ids), "ms_per_token": ms,
+                         "tok_s": 1e3 / ms, "steps_launched_ahead": engine.steps_launched_ahead,
+                         "tokens_equal_async_off": seq.output_ids == tokens_off if on else None})
+            tokens_off = seq.output_ids
+    return rows
+
+
 def _pool_bytes(pool: CachePool) -> tuple[int, int]:
     """(GDN state bytes read + written per token, KV bytes read per context token) of one slot."""
     state = sum(t[0].numel() * t.element_size() for t in (*pool.recurrent.values(), *pool.conv.values()))
@@ -255,7 +290,7 @@ def _pool_bytes(pool: CachePool) -> tuple[int, int]:
 
 def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768), verify_tokens=(2, 3, 4),
                   repeats: int = 50, acceptance=(0.95, 0.80), layers: int | None = None, capacity: int = 262144,
-                  device: str = "cuda", progress=print, profile: bool = False) -> dict:
+                  device: str = "cuda", progress=print, profile: bool = False, engine_tokens: int = 256) -> dict:
     """Everything the module docstring lists, as a JSON-ready dict."""
     from ..errors import UserError
     from .environment import environment
@@ -329,6 +364,10 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                          "modelled": modelled_mtp(verify[1], verify_k, draft, acceptance),
                          "draft_vocab": DRAFT_VOCAB, "draft_step_ms_small_vocab": small,
                          "modelled_small_vocab": modelled_mtp(verify[1], verify_k, small, acceptance)}
+    if engine_tokens:
+        result["engine_loop"] = engine_loop(model, engine_tokens)
+        progress("engine loop: " + ", ".join(f"{r['sampling']} async {'on' if r['async_scheduling'] else 'off'} "
+                                             f"{r['tok_s']:.1f} tok/s" for r in result["engine_loop"]))
     result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     result["pool_bytes"] = pool.nbytes + (mtp_pool.nbytes if mtp_pool else 0)
     return result
@@ -368,6 +407,14 @@ def format_report(r: dict) -> str:
                   + (" (overlapping under programmatic dependent launch: times include each kernel's wait)"
                      if kp.get("programmatic_dependent_launch") else ""), "| kernel | launches/step | us/step |", "|---|---|---|"]
         lines += [f"| {k['name']} | {k['launches']:.0f} | {k['us']:.1f} |" for k in kp["by_kernel"][:25]]
+    if r.get("engine_loop"):
+        lines += ["", "Engine decode loop (Engine.step, one sequence, context ~0; the step above reads its token before "
+                      "the next launch):", "| sampling | async scheduling | tok/s | ms/token | steps launched ahead | "
+                      "tokens as with it off |", "|---|---|---|---|---|---|"]
+        lines += [f"| {e['sampling']} | {'on' if e['async_scheduling'] else 'off'} | {e['tok_s']:.1f} | {e['ms_per_token']:.3f} | "
+                  f"{e['steps_launched_ahead']} of {e['tokens'] - 1} | "
+                  f"{'-' if e['tokens_equal_async_off'] is None else 'yes' if e['tokens_equal_async_off'] else 'NO'} |"
+                  for e in r["engine_loop"]]
     lines.append(f"\npeak GPU memory {r['peak_memory_bytes'] / 2**30:.1f} GiB (cache pool for {r['capacity_tokens']} tokens: "
                  f"{r['pool_bytes'] / 2**30:.2f} GiB)")
     return "\n".join(lines)

@@ -41,11 +41,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep the LM head as the checkpoint stores it (default on CUDA: quantised to INT8 per row at load)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: decode eagerly on per-sequence caches (as vLLM's flag; for debugging)")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each decode step's tokens before launching the next (default: the next step is launched "
+                        "from the sampled tokens on the device while the host reads them)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """Engine.from_pretrained keywords from add_engine_args' flags; None lets the engine decide by device."""
-    return {"int8_lm_head": False if args.no_int8_lm_head else None, "cuda_graphs": False if args.enforce_eager else None}
+    return {"int8_lm_head": False if args.no_int8_lm_head else None, "cuda_graphs": False if args.enforce_eager else None,
+            "async_scheduling": not args.no_async_scheduling}
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:

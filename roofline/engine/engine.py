@@ -3,6 +3,13 @@
 Every `step()` runs one forward over all active sequences (new ones with their whole prompt,
 running ones with their last token), samples one token per sequence, and reports what each
 sequence produced. Admission control and HTTP live in the server; this owns model state.
+
+Async scheduling (pooled decode, on by default): before the host reads a step's tokens, the
+engine launches the next decode step with those tokens as its input straight from the device,
+so the GPU runs it while the host reads, detokenizes, checks stops and streams. A sequence that
+stops on the token read drops its row of the step launched ahead (one wasted row, as vLLM's
+async scheduling). Steps that need the last token on the host first (penalties, the MTP head)
+run one at a time; the log says so.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from ..quant.int8 import quantize_lm_head_int8
 from ..model import Qwen35ForCausalLM
 from .cache import CachePool, SequenceCache, SlotCache
 from .graphs import DecodeGraphs
-from .sampling import Sampler, SamplingParams, make_generator
+from .sampling import SampleResult, Sampler, SamplingParams, TopLogprobs, make_generator
 from .speculative import MAX_DRAFT_TOKENS, DraftState, MtpSpeculator, SpeculativeConfig
 from .stops import StopStringMatcher
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -67,6 +74,34 @@ class Sequence:
         return self.prompt_ids if self.cache.num_tokens == 0 else self.output_ids[-1:]
 
 
+class LaunchedStep:
+    """A step whose sampled tokens the host has not read: their device tensor (the next step's input ids,
+    never read by the host) and pinned host copies with an event that marks them done."""
+
+    def __init__(self, sequences: list[Sequence], sample: SampleResult, pending: list[list[int]] | None,
+                 draft_rows: list[torch.Tensor | None]):
+        self.sequences, self.token_ids = sequences, sample.token_ids
+        self.pending, self.draft_rows = pending, draft_rows  # for the MTP head: each sequence's input ids, hidden rows
+        top = sample.top_logprobs
+        self._wanted = top.wanted
+        tensors = [sample.token_ids, sample.logprobs, *(() if top.values is None else (top.values, top.ids))]
+        self._ready = None
+        if sample.token_ids.is_cuda:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = tensors
+
+    def read(self) -> list[tuple[int, float, list[tuple[int, float]] | None]]:
+        """Per sequence (token, logprob, top logprobs); waits for this step's sampling, not for a step after it."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        values, ids = self._host[2:] or (None, None)
+        top = TopLogprobs(values, ids, self._wanted).rows()
+        return list(zip(self._host[0].tolist(), self._host[1].tolist(), top))
+
+
 class Engine:
     def __init__(
         self,
@@ -77,6 +112,7 @@ class Engine:
         speculative: SpeculativeConfig | None = None,
         pooled_decode: bool = False,
         max_num_seqs: int = 8,
+        async_scheduling: bool = True,
     ):
         self.model, self.tokenizer, self.model_dir = model, tokenizer, model_dir
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else model.config.eos_token_id)
@@ -89,6 +125,10 @@ class Engine:
         # max_num_seqs to what its memory budget holds.
         self.pooled_decode, self.max_num_seqs = pooled_decode, max_num_seqs
         self.pool = self.mtp_pool = self.graphs = None
+        self.async_scheduling = async_scheduling  # with pooled decode: see the module docstring
+        self._in_flight: LaunchedStep | None = None  # a decode step launched ahead, its tokens not yet read
+        self.steps_launched_ahead = 0  # how often async scheduling applied (the benchmark reports it)
+        self._async_blockers_logged: set[str] = set()
         self.generation_config = model_dir / "generation_config.json"
         self.sequences: list[Sequence] = []
         self._ids = itertools.count(1)
@@ -105,6 +145,7 @@ class Engine:
         int8_lm_head: bool | None = None,
         cuda_graphs: bool | None = None,
         max_num_seqs: int = 8,
+        async_scheduling: bool = True,
     ) -> "Engine":
         """`cuda_graphs`: decode through preallocated caches and captured CUDA graphs (default: on CUDA when
         the fast path can capture the step). On a CPU with TRITON_INTERPRET=1 (tests) it runs the same pooled
@@ -135,7 +176,8 @@ class Engine:
         else:
             log.warning("%s has no tokenizer.json: token ids in and out only, no text", model_dir)
             tokenizer = None
-        return cls(net, tokenizer, model_dir, max_model_len, speculative, pooled_decode=pooled, max_num_seqs=max_num_seqs)
+        return cls(net, tokenizer, model_dir, max_model_len, speculative, pooled_decode=pooled, max_num_seqs=max_num_seqs,
+                   async_scheduling=async_scheduling)
 
     def ensure_pools(self) -> None:
         """Allocate the pooled-decode caches (once) for `max_num_seqs` sequences."""
@@ -159,8 +201,15 @@ class Engine:
             self.speculator.graphs = self.graphs
             self.speculator.draft_graphs = DecodeGraphs(model, self.mtp_pool, max_num_seqs, use_graphs, mtp=True,
                                                         logits=self.speculator.draft_logits)
-        log.info("pooled decode: %d slots x %d tokens, %.2f GiB of KV cache and GDN state; %s", max_num_seqs,
-                 self.max_model_len, total / 2**30, "CUDA graphs per batch bucket" if use_graphs else "eager (no CUDA)")
+        if not self.async_scheduling:
+            scheduling = "off (--no-async-scheduling): the device waits while the host reads each token"
+        elif self.speculator:
+            scheduling = "off with MTP speculation: each verify's accepted tokens decide the next step's inputs"
+        else:
+            scheduling = "on: the next decode step is launched before the host reads the last token"
+        log.info("pooled decode: %d slots x %d tokens, %.2f GiB of KV cache and GDN state; %s; async scheduling %s",
+                 max_num_seqs, self.max_model_len, total / 2**30, "CUDA graphs per batch bucket" if use_graphs else "eager (no CUDA)",
+                 scheduling)
 
     @property
     def device(self) -> torch.device:
@@ -219,8 +268,11 @@ class Engine:
         """One step for all active sequences; finished sequences leave the engine.
 
         Without speculation: one forward, one token per sequence. With it, sequences past
-        their prompt draft and verify (up to k+1 tokens each); new sequences prefill.
+        their prompt draft and verify (up to k+1 tokens each); new sequences prefill. A step
+        launched ahead (async scheduling) is read first, and on its own.
         """
+        if self._in_flight is not None:
+            return self._finish_in_flight()
         active = list(self.sequences)
         speculating = [s for s in active if self._can_speculate(s)]
         plain = [s for s in active if s not in speculating]
@@ -231,45 +283,101 @@ class Engine:
         room = self.max_model_len - len(seq.prompt_ids) - len(seq.output_ids)
         return seq.draft is not None and bool(seq.draft.pending_tokens) and room > self.speculator.k_max
 
-    def _forward(self, active: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence's pending tokens through the model: (hidden [N, H] of every token, logits of each
-        sequence's last token). Decoding sequences go through the pooled step when there is one;
-        prompts are prefilled eagerly (into the same pool)."""
-        pending = [s.pending_ids for s in active]
-        ends = list(itertools.accumulate(len(p) for p in pending))
-        if self.graphs and all(len(p) == 1 for p in pending):
+    def _forward(self, active: list[Sequence], pending: list[list[int]] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's pending tokens (host lists, or one device token each) through the model: (hidden [N, H]
+        of every token, logits of each sequence's last token). Decoding sequences go through the pooled step
+        when there is one; prompts are prefilled eagerly (into the same pool)."""
+        if self.graphs and (isinstance(pending, torch.Tensor) or all(len(p) == 1 for p in pending)):
             caches = [s.cache for s in active]
-            buf = self.graphs.run([p[0] for p in pending], caches, 1)
+            ids = pending if isinstance(pending, torch.Tensor) else [p[0] for p in pending]
+            buf = self.graphs.run(ids, caches, 1)
             for i, cache in enumerate(caches):
                 self.graphs.keep(buf, i, cache, 1, 1)
             return buf.hidden[: len(active)], buf.logits[: len(active)]
+        ends = list(itertools.accumulate(len(p) for p in pending))
         ids = torch.tensor([t for p in pending for t in p], device=self.device)
         hidden = self.model(ids, [len(p) for p in pending], [s.cache for s in active])
         return hidden, self.model.logits(hidden[torch.tensor(ends, device=self.device) - 1])
+
+    def _launch(self, active: list[Sequence], device_ids: torch.Tensor | None = None) -> LaunchedStep:
+        """Forward each sequence's pending tokens (or, from a step launched ahead, `device_ids`: one token each)
+        and sample on the device; nothing is read back here."""
+        pending = None if device_ids is not None else [s.pending_ids for s in active]
+        hidden, logits = self._forward(active, device_ids if device_ids is not None else pending)
+        params = [s.params for s in active]
+        sample = self.sampler.sample(
+            logits,
+            params,
+            [s.prompt_ids + s.output_ids for s in active] if any(p.penalised for p in params) else None,
+            [len(s.prompt_ids) for s in active],
+            [s.generator for s in active],
+        )
+        draft_rows: list[torch.Tensor | None] = [None] * len(active)
+        if pending is not None and any(s.draft is not None for s in active):
+            ends = list(itertools.accumulate(len(p) for p in pending))
+            for i, seq in enumerate(active):  # the MTP head will see these positions before its next draft
+                if seq.draft is not None:
+                    draft_rows[i] = hidden[ends[i] - len(pending[i]) : ends[i]].clone()  # a graph's output buffer is reused
+        return LaunchedStep(active, sample, pending, draft_rows)
+
+    def _emit(self, launched: LaunchedStep) -> list[tuple[Sequence, TokenEvent]]:
+        """Read a launched step's tokens into its sequences. A sequence that finished or was cancelled after the
+        step was launched ahead drops its row."""
+        events = []
+        for i, (seq, (token, logprob, top)) in enumerate(zip(launched.sequences, launched.read())):
+            if seq not in self.sequences:
+                continue
+            if seq.draft is not None:
+                self.speculator.extend(seq.draft, launched.draft_rows[i], launched.pending[i], token)
+            events.append((seq, self._append(seq, token, logprob, top)))
+        return self._retire(events)
 
     def _plain_step(self, active: list[Sequence]) -> list[tuple[Sequence, TokenEvent]]:
         decoding = [s for s in active if len(s.pending_ids) == 1 and s.cache.num_tokens]
         if self.graphs and decoding and len(decoding) < len(active):  # prefills run eagerly, decodes in the graph
             prefilling = [s for s in active if s not in decoding]
             return self._plain_step(decoding) + self._plain_step(prefilling)
-        pending = [s.pending_ids for s in active]
-        hidden, logits = self._forward(active)
-        ends = list(itertools.accumulate(len(p) for p in pending))
-        tokens, logprobs, top = self.sampler.sample(
-            logits,
-            [s.params for s in active],
-            [s.prompt_ids + s.output_ids for s in active],
-            [len(s.prompt_ids) for s in active],
-            [s.generator for s in active],
-        )
-        events = []
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # one device read each, not one per sequence
-        for i, seq in enumerate(active):
-            if seq.draft is not None:  # the MTP head will see these positions before its next draft
-                rows = hidden[ends[i] - len(pending[i]) : ends[i]].clone()  # a graph's output buffer is reused
-                self.speculator.extend(seq.draft, rows, pending[i], tokens[i])
-            events.append((seq, self._append(seq, tokens[i], logprobs[i], top[i])))
-        return self._retire(events)
+        launched = self._launch(active)
+        if self.graphs and len(active) == len(self.sequences):
+            self._in_flight = self._launch_ahead(launched)
+        return self._emit(launched)
+
+    def _finish_in_flight(self) -> list[tuple[Sequence, TokenEvent]]:
+        """Read the step launched ahead, first launching the one after it unless a new sequence waits for its
+        prefill (it joins at the next step)."""
+        launched, self._in_flight = self._in_flight, None
+        if all(s in launched.sequences for s in self.sequences):
+            self._in_flight = self._launch_ahead(launched)
+        return self._emit(launched)
+
+    def _launch_ahead(self, launched: LaunchedStep) -> LaunchedStep | None:
+        """The decode step after `launched` for its sequences that will still run after its tokens, with those
+        tokens as input ids straight from the device; None when there is none or async scheduling cannot apply."""
+        if not self.async_scheduling:
+            return None
+        rows = [i for i, s in enumerate(launched.sequences)
+                if s in self.sequences and not self._at_length_limit(s, len(s.output_ids) + 1)]
+        if not rows:
+            return None
+        following = [launched.sequences[i] for i in rows]
+        blocker = ("a repetition, presence or frequency penalty needs the last token on the host"
+                   if any(s.params.penalised for s in following) else
+                   "the MTP head needs each plain step's tokens and hidden states first"
+                   if any(s.draft is not None for s in following) else None)
+        if blocker:
+            if blocker not in self._async_blockers_logged:
+                self._async_blockers_logged.add(blocker)
+                log.info("async scheduling off for steps where %s; they run one at a time", blocker)
+            return None
+        ids = launched.token_ids
+        if len(rows) < len(launched.sequences):
+            ids = ids[torch.tensor(rows, device=ids.device)]
+        self.steps_launched_ahead += 1
+        return self._launch(following, ids)
+
+    def _at_length_limit(self, seq: Sequence, outputs: int) -> bool:
+        """Whether `seq` stops by length once it holds `outputs` generated tokens."""
+        return bool(seq.params.max_tokens and outputs >= seq.params.max_tokens) or len(seq.prompt_ids) + outputs >= self.max_model_len
 
     def _speculative_step(self, active: list[Sequence]) -> list[tuple[Sequence, TokenEvent]]:
         start = time.perf_counter()
@@ -308,7 +416,7 @@ class Engine:
             chunk = detok.flush() if detok else ""
         else:
             chunk = detok.add(token) if detok else ""
-            if (p.max_tokens and len(seq.output_ids) >= p.max_tokens) or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_model_len:
+            if self._at_length_limit(seq, len(seq.output_ids)):
                 seq.finish_reason = "length"
                 chunk += detok.flush() if detok else ""
         text, stopped = seq.stops.feed(chunk)

@@ -151,18 +151,20 @@ class DecodeGraphs:
             self.buffers[key] = buf
         return buf, b, span
 
-    def run(self, ids: list[int], caches: list[SlotCache], m: int, rollback: bool = False,
+    def run(self, ids: list[int] | torch.Tensor, caches: list[SlotCache], m: int, rollback: bool = False,
             hidden: torch.Tensor | None = None) -> StepBuffers:
-        """One step: `ids` holds m tokens per cache, sequence-major (`hidden`, [len(ids), H], for the MTP head).
-        Caches are not advanced (the caller decides how many tokens to keep). Returns the bucket's buffers
-        (rows past len(ids) are padding)."""
+        """One step: `ids` holds m tokens per cache, sequence-major (`hidden`, [len(ids), H], for the MTP head),
+        as a host list or as a device tensor (the tokens the previous step sampled, which the host has not
+        read yet: copied into the step's inputs on the device). Caches are not advanced (the caller decides how
+        many tokens to keep). Returns the bucket's buffers (rows past len(ids) are padding)."""
         n = len(caches)
         longest = max(c.num_tokens for c in caches) + m
         buf, b, span = self.buffers_for(n, m, longest, rollback)
         pad_slot, pad_start = self.pool.pad_kv
         i = buf.inputs.writable()
         starts = np.array([c.num_tokens for c in caches] + [0] * (b - n), dtype=np.int64)
-        i.ids_h[: len(ids)] = ids
+        on_device = isinstance(ids, torch.Tensor)
+        i.ids_h[: len(ids)] = 0 if on_device else ids
         i.ids_h[len(ids) :] = 0
         i.positions_h[:] = (starts[:, None] + np.arange(m)).reshape(-1)
         i.kv_positions_h[:] = i.positions_h
@@ -173,6 +175,8 @@ class DecodeGraphs:
         i.kv_slots_h[n:] = pad_slot
         i.lengths_h[:] = starts + m
         i.upload()
+        if on_device:
+            i.ids[: len(ids)].copy_(ids)
         if self.mtp:
             buf.hidden_in[: len(ids)].copy_(hidden)
         if buf.graph is not None:

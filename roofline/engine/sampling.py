@@ -41,6 +41,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_TEMPERATURE
 
+    @property
+    def penalised(self) -> bool:
+        """Whether sampling reads the token history (which then must be on the host before the step samples)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
     def validate(self) -> SamplingParams:
         """Raise ValueError naming the first field out of range; return self."""
         # Written as "ok" conditions so that NaN fails them.
@@ -93,17 +98,33 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+class TopLogprobs(NamedTuple):
+    """Each row's requested top logprobs, still as tensors (on the device until the engine reads them)."""
+
+    values: torch.Tensor | None  # [B, k_max] raw log-probabilities, None when no row asked
+    ids: torch.Tensor | None  # [B, k_max]
+    wanted: list[int | None]  # per row: how many of the k_max it asked for (None: no logprobs)
+
+    def rows(self) -> list[list[tuple[int, float]] | None]:
+        """Per row, its k (id, logprob) pairs, [] for logprobs=0, None without logprobs (reads the tensors)."""
+        if self.values is None:
+            return [None if k is None else [] for k in self.wanted]
+        values, ids = self.values.tolist(), self.ids.tolist()
+        return [None if k is None else list(zip(ids[row][:k], values[row][:k])) for row, k in enumerate(self.wanted)]
+
+
 class SampleResult(NamedTuple):
     token_ids: torch.Tensor  # LongTensor [B]
     logprobs: torch.Tensor  # FloatTensor [B], raw log-probability of each chosen token
-    top_logprobs: list[list[tuple[int, float]] | None]  # per row, k (id, logprob) pairs or None
+    top_logprobs: TopLogprobs
 
 
 class Sampler:
     """Stateless; one call per decode step for the whole batch.
 
     token_histories[i] holds row i's prompt + generated ids and prompt_lens[i] the prompt's
-    length within it (repetition_penalty reads all of it, presence/frequency only the rest).
+    length within it (repetition_penalty reads all of it, presence/frequency only the rest);
+    token_histories may be None when no row is penalised.
     """
 
     def probabilities(
@@ -149,14 +170,11 @@ class Sampler:
 
         log_z = torch.logsumexp(logits32, dim=-1, keepdim=True)
         logprobs = (logits32.gather(1, token_ids[:, None]) - log_z).squeeze(1)
-        return SampleResult(token_ids, logprobs, top_logprobs(logits32, log_z, params_list))
+        return SampleResult(token_ids, logprobs, top_logprob_tensors(logits32, log_z, params_list))
 
 
 def _apply_penalties(logits, params_list, token_histories, prompt_lens) -> torch.Tensor:
-    def penalised(p: SamplingParams) -> bool:
-        return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
-
-    if not any(penalised(p) for p in params_list):
+    if not any(p.penalised for p in params_list):  # token_histories may be None then
         return logits
     scores = logits.clone()
     vocab = scores.shape[-1]
@@ -217,16 +235,17 @@ def _apply_top_k_top_p(scores, top_k, top_p) -> torch.Tensor:
     return torch.empty_like(scores).scatter_(1, order, sorted_scores)
 
 
-def top_logprobs(logits, log_z, params_list) -> list[list[tuple[int, float]] | None]:
-    """Each row's requested top-k (id, raw log-probability); log_z [B, 1] is the rows' logsumexp (the
+def top_logprob_tensors(logits, log_z, params_list) -> TopLogprobs:
+    """Each row's requested top-k (ids, raw log-probabilities); log_z [B, 1] is the rows' logsumexp (the
     log-softmax's top-k is the logits' top-k less log_z), 0 where `logits` are log-probabilities already."""
     wanted = [p.logprobs for p in params_list]
     k_max = min(max((k for k in wanted if k), default=0), logits.shape[-1])
     if k_max == 0:
-        return [None if k is None else [] for k in wanted]
+        return TopLogprobs(None, None, wanted)
     values, ids = logits.topk(k_max, dim=-1)
-    values, ids = (values - log_z).tolist(), ids.tolist()
-    return [
-        None if k is None else list(zip(ids[row][:k], values[row][:k]))
-        for row, k in enumerate(wanted)
-    ]
+    return TopLogprobs(values - log_z, ids, wanted)
+
+
+def top_logprobs(logits, log_z, params_list) -> list[list[tuple[int, float]] | None]:
+    """`top_logprob_tensors` read at once, as (id, logprob) lists per row."""
+    return top_logprob_tensors(logits, log_z, params_list).rows()
