@@ -71,9 +71,10 @@ def test_synthetic_command_on_gpu(tmp_path):
         assert prof["kernel_us_per_step"] <= prof["span_us_per_step"]
     assert any("gate_up" in k["name"] for k in prof["by_kernel"]), prof["by_kernel"][:5]  # the grouped experts kernel
     loop = r["engine_loop"]  # the engine's own decode loop: async scheduling launches every step after the first ahead
-    assert len(loop) == 4 and all(e["tokens"] == 40 and e["tok_s"] > 0 for e in loop)
-    assert [e["steps_launched_ahead"] for e in loop] == [0, 39, 0, 39]
-    assert [e["tokens_equal_async_off"] for e in loop] == [None, True, None, True]
+    assert len(loop) == 5 and all(e["tokens"] == 40 for e in loop) and all(e["tok_s"] > 0 for e in loop[:4])
+    assert [e["steps_launched_ahead"] for e in loop[:4]] == [0, 39, 0, 39]
+    assert [e["tokens_equal_async_off"] for e in loop[:4]] == [None, True, None, True]
+    assert loop[4]["mtp"] == 2 and loop[4]["ms_per_step"] > 0 and loop[4]["modelled_step_ms"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU runs it in the command above")
@@ -87,6 +88,9 @@ def test_engine_loop_measures_async_scheduling_on_the_synthetic_model():
     model, _ = build_synthetic_model("tiny", resolve_layout("bf16"), "cpu", torch.float32)
     assert install_fast_path(model, allow_cpu=True).graph_ready
     rows = engine_loop(model, tokens=5, warmup=1, prompt_tokens=4)
+    mtp = rows.pop()  # the tiny shape has an MTP head: greedy MTP-2 through the engine, the same tokens
+    assert mtp["mtp"] == 2 and mtp["tokens"] == 5 and mtp["tokens_equal_without_mtp"] and mtp["ms_per_step"] > 0
+    assert 1 <= mtp["tokens_per_step"] <= 3 and len(mtp["acceptance"]) == 2
     assert [(r["sampling"], r["async_scheduling"]) for r in rows] == [
         ("greedy", False), ("greedy", True), ("sampled", False), ("sampled", True)]
     for r in rows:

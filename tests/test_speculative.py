@@ -72,6 +72,25 @@ def test_the_draft_head_keeps_the_whole_history(checkpoint, k):
     assert all(len(s.output_ids) == 20 for s in seqs)
 
 
+def test_penalised_and_sampled_rows_beside_greedy_ones(checkpoint):
+    """A batch mixing a penalised greedy row (drafts and verify read the drafts so far on the host), a sampled
+    row and a plain greedy row: the greedy rows give exactly the tokens of plain decoding."""
+    rows = [SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.3, presence_penalty=0.5),
+            SamplingParams(temperature=1.0, top_k=5, seed=3, max_tokens=16),
+            SamplingParams(temperature=0.0, max_tokens=16)]
+    outputs = []
+    for k in (None, 3):
+        engine = engine_for(checkpoint, k)
+        seqs = [engine.add(p, params) for p, params in zip(PROMPTS, rows)]
+        while engine.sequences:
+            engine.step()
+        outputs.append([s.output_ids for s in seqs])
+        assert all(len(s.output_ids) == 16 for s in seqs)
+    plain, spec = outputs
+    assert spec[0] == plain[0] and spec[2] == plain[2]
+    assert plain[0] != run_all(engine_for(checkpoint), PROMPTS[:1], rows[2])[0][0], "the penalty changes the output"
+
+
 def test_auto_draft_length_explores_then_keeps_identical_output(checkpoint):
     params = SamplingParams(temperature=0.0, max_tokens=40)
     want, _ = run_all(engine_for(checkpoint), PROMPTS, params)
@@ -137,7 +156,7 @@ def test_draft_vocabulary_keeps_greedy_output(checkpoint):
     assert engine.speculator.draft_vocab.ids.tolist() == list(range(64)) + [255]
     drafted = []
     draft = engine.speculator.draft
-    engine.speculator.draft = lambda *a: (lambda out: (drafted.extend(t for d in out[0] for t in d), out)[1])(draft(*a))
+    engine.speculator.draft = lambda *a: (lambda out: (drafted.extend(out[0].flatten().tolist()), out)[1])(draft(*a))
     got, _ = run_all(engine, PROMPTS, params)
     assert got == want
     assert drafted and set(drafted) <= set(range(64)) | {255}

@@ -41,6 +41,7 @@ from ..engine.cache import CachePool, SlotCache
 from ..engine.engine import Engine
 from ..engine.graphs import DecodeGraphs
 from ..engine.sampling import SamplingParams
+from ..engine.speculative import SpeculativeConfig
 from ..kernels.dispatch import install_fast_path, install_weight_kernel
 from ..model.layers import SlotBatch
 from ..quant.base import LinearWeight
@@ -257,27 +258,41 @@ def modelled_mtp(decode_1: float, verify: dict[int, float], draft: float, accept
 ENGINE_SAMPLING = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "seed": 0}}
 
 
-def engine_loop(model, tokens: int = 256, warmup: int = 16, prompt_tokens: int = 16) -> list[dict]:
-    """Per sampling mode and async scheduling off / on: ms per token of `Engine.step` decoding one sequence
-    (after a short prompt and `warmup` tokens, which cover the graph capture), the steps launched ahead, and
-    whether the tokens equal those with async scheduling off (they must)."""
-    rows = []
+def _engine_steps(model, tokens: int, warmup: int, prompt_tokens: int, sampling: dict, **engine_args):
+    """Decode one sequence through `Engine.step` after a short prompt: (engine, sequence, ms per step after
+    `warmup` steps, which cover the graph captures, steps timed)."""
+    engine = Engine(model, None, Path("synthetic"), max_model_len=prompt_tokens + tokens + 1, pooled_decode=True,
+                    max_num_seqs=1, **engine_args)
+    seq = engine.add([1] * prompt_tokens, SamplingParams(max_tokens=tokens, ignore_eos=True, **sampling))
+    stamps = []
+    while engine.sequences:
+        if engine.step():
+            stamps.append(time.perf_counter())
+    steady = stamps[min(warmup, len(stamps) // 2):]
+    return engine, seq, (steady[-1] - steady[0]) / max(1, len(steady) - 1) * 1e3, len(steady) - 1
+
+
+def engine_loop(model, tokens: int = 256, warmup: int = 16, prompt_tokens: int = 16, mtp: int = 2) -> list[dict]:
+    """Per sampling mode and async scheduling off / on: ms per token of `Engine.step` decoding one sequence, the
+    steps launched ahead, and whether the tokens equal those with async scheduling off (they must). With an MTP
+    head, one more row: greedy MTP-`mtp` steps (random weights: acceptance near 0, so this is the step's cost)."""
+    rows, greedy_tokens = [], None
     for name, sampling in ENGINE_SAMPLING.items():
         tokens_off = None  # the run with async scheduling off comes first
         for on in (False, True):
-            engine = Engine(model, None, Path("synthetic"), max_model_len=prompt_tokens + tokens + 1, pooled_decode=True,
-                            max_num_seqs=1, async_scheduling=on)
-            seq = engine.add([1] * prompt_tokens, SamplingParams(max_tokens=tokens, ignore_eos=True, **sampling))
-            stamps = []
-            while engine.sequences:
-                if engine.step():  # one sequence: one token per call
-                    stamps.append(time.perf_counter())
-            steady = stamps[warmup:]
-            ms = (steady[-1] - steady[0]) / max(1, len(steady) - 1) * 1e3
+            engine, seq, ms, _ = _engine_steps(model, tokens, warmup, prompt_tokens, sampling, async_scheduling=on)
             rows.append({"sampling": name, "async_scheduling": on, "tokens": len(seq.output_ids), "ms_per_token": ms,
                          "tok_s": 1e3 / ms, "steps_launched_ahead": engine.steps_launched_ahead,
                          "tokens_equal_async_off": seq.output_ids == tokens_off if on else None})
             tokens_off = seq.output_ids
+            greedy_tokens = seq.output_ids if name == "greedy" else greedy_tokens
+    if model.mtp is not None and mtp:
+        engine, seq, ms, steps = _engine_steps(model, tokens, warmup, prompt_tokens, ENGINE_SAMPLING["greedy"],
+                                               speculative=SpeculativeConfig(mtp))
+        spec = engine.speculator
+        rows.append({"sampling": "greedy", "mtp": mtp, "tokens": len(seq.output_ids), "ms_per_step": ms, "steps": steps,
+                     "tokens_per_step": spec.mean_accepted_length(), "acceptance": spec.acceptance_rates(),
+                     "tokens_equal_without_mtp": seq.output_ids == greedy_tokens})
     return rows
 
 
@@ -366,8 +381,12 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                          "modelled_small_vocab": modelled_mtp(verify[1], verify_k, small, acceptance)}
     if engine_tokens:
         result["engine_loop"] = engine_loop(model, engine_tokens)
+        for row in result["engine_loop"]:
+            if "mtp" in row and "mtp" in result and row["mtp"] in result["mtp"]["verify_step_ms"]:
+                k = row["mtp"]  # what the step's captured parts add up to: verify(k + 1) + k drafts
+                row["modelled_step_ms"] = result["mtp"]["verify_step_ms"][k] + k * result["mtp"]["draft_step_ms"]
         progress("engine loop: " + ", ".join(f"{r['sampling']} async {'on' if r['async_scheduling'] else 'off'} "
-                                             f"{r['tok_s']:.1f} tok/s" for r in result["engine_loop"]))
+                                             f"{r['tok_s']:.1f} tok/s" for r in result["engine_loop"] if "mtp" not in r))
     result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     result["pool_bytes"] = pool.nbytes + (mtp_pool.nbytes if mtp_pool else 0)
     return result
@@ -414,7 +433,14 @@ def format_report(r: dict) -> str:
         lines += [f"| {e['sampling']} | {'on' if e['async_scheduling'] else 'off'} | {e['tok_s']:.1f} | {e['ms_per_token']:.3f} | "
                   f"{e['steps_launched_ahead']} of {e['tokens'] - 1} | "
                   f"{'-' if e['tokens_equal_async_off'] is None else 'yes' if e['tokens_equal_async_off'] else 'NO'} |"
-                  for e in r["engine_loop"]]
+                  for e in r["engine_loop"] if "mtp" not in e]
+        for e in r["engine_loop"]:
+            if "mtp" in e:
+                lines.append(f"MTP-{e['mtp']} greedy through Engine.step: {e['ms_per_step']:.3f} ms per step"
+                             + (f" (its captured parts: {e['modelled_step_ms']:.3f} ms)" if "modelled_step_ms" in e else "")
+                             + f", {e['tokens_per_step']:.2f} tokens per step (random weights: acceptance "
+                             f"{', '.join(f'{a:.2f}' for a in e['acceptance'])}); tokens "
+                             + ("as" if e["tokens_equal_without_mtp"] else "NOT as") + " without MTP")
     lines.append(f"\npeak GPU memory {r['peak_memory_bytes'] / 2**30:.1f} GiB (cache pool for {r['capacity_tokens']} tokens: "
                  f"{r['pool_bytes'] / 2**30:.2f} GiB)")
     return "\n".join(lines)

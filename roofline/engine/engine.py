@@ -383,7 +383,8 @@ class Engine:
         start = time.perf_counter()
         self.speculator.begin_step()
         params = [s.params for s in active]
-        histories = [s.prompt_ids + s.output_ids for s in active]
+        # Only a penalty reads the history (a copy of each context, every step, otherwise).
+        histories = [s.prompt_ids + s.output_ids for s in active] if any(p.penalised for p in params) else None
         prompt_lens = [len(s.prompt_ids) for s in active]
         generators = [s.generator for s in active]
         drafts, qs = self.speculator.draft([s.draft for s in active], params, histories, prompt_lens, generators)

@@ -166,7 +166,7 @@ class Sampler:
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=scores.device)
             probs = _filtered_probs(scores[rows], [params_list[i] for i in sampled_rows])
-            token_ids[rows] = _draw(probs, [generators[i] for i in sampled_rows])
+            token_ids[rows] = draw(probs, [generators[i] for i in sampled_rows])
 
         log_z = torch.logsumexp(logits32, dim=-1, keepdim=True)
         logprobs = (logits32.gather(1, token_ids[:, None]) - log_z).squeeze(1)
@@ -213,7 +213,8 @@ def _filtered_probs(scores, params_list) -> torch.Tensor:
     return torch.softmax(scores, dim=-1)
 
 
-def _draw(probs, generators) -> torch.Tensor:
+def draw(probs, generators) -> torch.Tensor:
+    """One index per row of `probs` [B, V], drawn with generators[i] (None: torch's global one), on the device."""
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i,
     # one batched argmax instead of a multinomial per row. The clamp keeps 0/0 out.
     noise = torch.empty_like(probs)

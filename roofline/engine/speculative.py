@@ -15,6 +15,11 @@ hidden states of the newest positions and the tokens that follow them. A step:
    (Leviathan et al., Chen et al. 2023). One more token (the bonus) always comes from p.
 4. Roll back both caches to the accepted tokens; the verified hidden states become the
    head's next pending pairs.
+
+Drafts, their distributions and the acceptance stay on the device: drafts are fed back to the
+head as device tensors and verified from them, and the host reads one small tensor per step
+(tokens, accepted counts, logprobs), plus top logprobs where asked. Only a repetition,
+presence or frequency penalty makes the host read the drafts so far, to build its history.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from ..errors import UserError
 from .cache import SequenceCache
-from .sampling import Sampler, top_logprobs
+from .sampling import Sampler, draw, top_logprobs
 
 MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp", "deepseek_mtp")  # names vLLM accepts for this
 
@@ -148,56 +153,72 @@ class MtpSpeculator:
         if self.chooser:
             self.chooser.record(self.k, seconds)
 
-    def _head(self, tokens: list[list[int]], hidden: list[torch.Tensor], caches) -> tuple[torch.Tensor, torch.Tensor]:
+    def _head(self, tokens: list[list[int]] | torch.Tensor, hidden: list[torch.Tensor] | torch.Tensor,
+              caches) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP head over each sequence's (token, hidden) pairs, advancing its cache by them; returns the
-        post-norm hidden state and the logits of each sequence's last pair."""
+        post-norm hidden state and the logits of each sequence's last pair. Pairs come as host token lists with
+        a hidden tensor per sequence, or as one device token [B] and hidden row [B, H] per sequence (a draft
+        fed back: the host never reads it)."""
         model = self.model
-        m = max(len(t) for t in tokens)
+        fed_back = isinstance(tokens, torch.Tensor)
+        lengths = [1] * len(caches) if fed_back else [len(t) for t in tokens]
+        m = max(lengths)
         if self.draft_graphs and m <= MAX_DRAFT_TOKENS + 1:  # right-padded to m pairs: their extra keys are never seen
-            pad = [m - len(t) for t in tokens]
-            ids = [x for t, p in zip(tokens, pad) for x in t + [0] * p]
-            rows = torch.cat([torch.cat([h, h.new_zeros(p, h.shape[1])]) for h, p in zip(hidden, pad)])
+            if fed_back:
+                ids, rows = tokens, hidden
+            else:
+                pad = [m - n for n in lengths]
+                ids = [x for t, p in zip(tokens, pad) for x in t + [0] * p]
+                rows = torch.cat([torch.cat([h, h.new_zeros(p, h.shape[1])]) for h, p in zip(hidden, pad)])
             buf = self.draft_graphs.run(ids, caches, m, hidden=rows)
-            last = torch.tensor([i * m + len(t) - 1 for i, t in enumerate(tokens)], device=model.device)
-            for cache, t in zip(caches, tokens):
-                cache.advance(len(t))
+            last = torch.tensor([i * m + n - 1 for i, n in enumerate(lengths)], device=model.device)
+            for cache, n in zip(caches, lengths):
+                cache.advance(n)
             return buf.hidden[last], buf.logits[last]
-        out = model.mtp_forward(torch.tensor([x for t in tokens for x in t], device=model.device), torch.cat(hidden),
-                                [len(t) for t in tokens], caches)
-        out = out[torch.tensor([len(t) for t in tokens], device=model.device).cumsum(0) - 1]
+        ids = tokens if fed_back else torch.tensor([x for t in tokens for x in t], device=model.device)
+        out = model.mtp_forward(ids, hidden if fed_back else torch.cat(hidden), lengths, caches)
+        out = out[torch.tensor(lengths, device=model.device).cumsum(0) - 1]
         return out, self.draft_logits(out)
 
     def draft(self, states: list[DraftState], params, histories, prompt_lens, generators):
-        """k draft tokens and their draft distributions q per sequence."""
+        """k draft tokens per sequence, [B, k] on the device, and their draft distributions q [B, k, V] (None
+        when every row is greedy and unpenalised: the drafts are the head's argmax). The host reads nothing
+        unless a penalty needs the drafts so far."""
         caches = [s.cache for s in states]
         hidden, logits = self._head([s.pending_tokens for s in states], [s.pending_hidden for s in states], caches)
         true_lengths = [c.num_tokens for c in caches]  # the pending pairs are true history: they stay
-        drafts: list[list[int]] = [[] for _ in states]
-        qs: list[list[torch.Tensor]] = [[] for _ in states]
+        penalised = any(p.penalised for p in params)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        drafts: list[torch.Tensor] = []
+        qs: list[torch.Tensor] = []
         for j in range(self.k):
             if j:
-                hidden, logits = self._head([[d[-1]] for d in drafts], list(hidden[:, None]), caches)
-            q = self.sampler.probabilities(logits, params, [h + d for h, d in zip(histories, drafts)], prompt_lens)
-            for i, p in enumerate(params):
-                token = int(q[i].argmax()) if p.greedy else int(torch.multinomial(q[i], 1, generator=generators[i]))
-                drafts[i].append(token)
-                qs[i].append(q[i])
+                hidden, logits = self._head(drafts[-1], hidden, caches)
+            if not (sampled or penalised):
+                drafts.append(logits.argmax(dim=-1))
+                continue
+            so_far = torch.stack(drafts, 1).tolist() if penalised and drafts else [[] for _ in params]
+            q = self.sampler.probabilities(logits, params, [h + d for h, d in zip(histories, so_far)] if penalised else None,
+                                           prompt_lens)
+            token = q.argmax(dim=-1)  # a greedy row's q is one-hot on its argmax
+            if sampled:
+                token[sampled] = draw(q[sampled], [generators[i] for i in sampled])
+            drafts.append(token)
+            qs.append(q)
         for cache, length in zip(caches, true_lengths):
             cache.truncate(length)  # drafts beyond the first are not true history
-        return drafts, qs
+        return torch.stack(drafts, 1), torch.stack(qs, 1) if qs else None
 
-    def _verify_forward(self, caches, inputs: list[list[int]]):
-        """The main model over each sequence's [last token, drafts]: (hidden, logits, keep) where
-        keep(i, n) leaves cache i holding exactly the first n of its step's tokens."""
-        model, m = self.model, self.k + 1
-        ids = [t for x in inputs for t in x]
+    def _verify_forward(self, caches, ids: torch.Tensor):
+        """The main model over each sequence's row of `ids` [B, m] (last token, drafts): (hidden, logits, keep)
+        where keep(i, n) leaves cache i holding exactly the first n of its step's tokens."""
+        model, (b, m) = self.model, ids.shape
         if self.graphs:
-            buf = self.graphs.run(ids, caches, m, rollback=True)  # GDN state saved after each position
-            rows = len(ids)
-            return buf.hidden[:rows], buf.logits[:rows], lambda i, n: self.graphs.keep(buf, i, caches[i], m, n)
+            buf = self.graphs.run(ids.reshape(-1), caches, m, rollback=True)  # GDN state saved after each position
+            return buf.hidden[: b * m], buf.logits[: b * m], lambda i, n: self.graphs.keep(buf, i, caches[i], m, n)
         for cache in caches:
             cache.record_steps = True  # GDN state after every position, for the rollback below
-        hidden = model(torch.tensor(ids, device=model.device), [len(x) for x in inputs], caches)
+        hidden = model(ids.reshape(-1), [m] * b, caches)
 
         def keep(i: int, n: int) -> None:
             caches[i].truncate(caches[i].step_start + n)
@@ -206,43 +227,68 @@ class MtpSpeculator:
         return hidden, model.logits(hidden), keep
 
     def verify(self, caches, last_tokens, drafts, qs, states, params, histories, prompt_lens, generators) -> list[Verified]:
-        inputs = [[t, *d] for t, d in zip(last_tokens, drafts)]
-        hidden, logits, keep = self._verify_forward(caches, inputs)
+        """Verify `drafts` [B, k] (from `draft`) in one main-model step, accept on the device and read the
+        outcome back once (and once more for top logprobs, when a row asks for them)."""
+        b, k = drafts.shape
+        m = k + 1
+        ids = torch.cat([torch.tensor(last_tokens, device=drafts.device)[:, None], drafts], 1)
+        hidden, logits, keep = self._verify_forward(caches, ids)
         raw = torch.log_softmax(logits, dim=-1)
+        tokens, accepted = self._accept(logits, ids, qs, params, histories, prompt_lens, generators)
+        token_logprobs = raw.view(b, m, -1).gather(2, tokens[..., None]).squeeze(2)
+        outcome = torch.cat([tokens.double(), accepted[:, None].double(), token_logprobs.double()], 1).tolist()  # one read
+        want_top = any(p.logprobs is not None for p in params)
         results = []
-        for i, (p_params, draft) in enumerate(zip(params, drafts)):
-            rows = slice(i * (self.k + 1), (i + 1) * (self.k + 1))
-            row_histories = [histories[i] + draft[:j] for j in range(self.k + 1)]
-            p = self.sampler.probabilities(logits[rows], [p_params] * (self.k + 1), row_histories, [prompt_lens[i]] * (self.k + 1))
-            tokens = self._accept(p, qs[i], draft, p_params, generators[i])
-            accepted = len(tokens) - 1
-            for j in range(self.k):
+        for i, row in enumerate(outcome):
+            n = int(row[m]) + 1  # the accepted drafts, then the next token
+            for j in range(k):
                 self.drafted[j] += 1
-                self.accepted[j] += int(j < accepted)
-            positions = [i * (self.k + 1) + j for j in range(len(tokens))]
-            top = top_logprobs(raw[positions], 0.0, [p_params] * len(tokens))  # raw: log-probabilities already
-            results.append(Verified(tokens, [float(raw[r, t]) for r, t in zip(positions, tokens)], top, self.k, accepted))
-            keep(i, 1 + accepted)  # the last token and the accepted drafts; the bonus token is pending
+                self.accepted[j] += int(j < n - 1)
+            positions = [i * m + j for j in range(n)]
+            top = (top_logprobs(raw[positions], 0.0, [params[i]] * n) if want_top else [None] * n)  # raw: log-probabilities
+            results.append(Verified([int(t) for t in row[:n]], row[m + 1 : m + 1 + n], top, k, n - 1))
+            keep(i, n)  # the last token and the accepted drafts; the next token is pending
             states[i].pending_hidden = hidden[positions]
-            states[i].pending_tokens = list(tokens)
+            states[i].pending_tokens = results[-1].tokens
         return results
 
-    def _accept(self, p: torch.Tensor, q: list[torch.Tensor], draft: list[int], params, generator) -> list[int]:
-        tokens = []
-        for j, d in enumerate(draft):
-            if params.greedy:
-                ok = int(p[j].argmax()) == d
-            else:
-                ok = float(torch.rand((), generator=generator, device=p.device)) * float(q[j][d]) <= float(p[j][d])
-            if not ok:
-                if params.greedy:
-                    return tokens + [int(p[j].argmax())]
-                residual = (p[j] - q[j]).clamp_min(0)
-                residual = residual if float(residual.sum()) > 0 else p[j]
-                return tokens + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
-            tokens.append(d)
-        bonus = p[len(draft)]
-        return tokens + [int(bonus.argmax()) if params.greedy else int(torch.multinomial(bonus, 1, generator=generator))]
+    def _accept(self, logits, ids, qs, params, histories, prompt_lens, generators) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [B, k+1], accepted [B]) on the device: row i's first accepted[i] tokens are its accepted drafts and
+        the next one comes from the main model. Greedy rows accept drafts equal to the main model's argmax; sampled
+        rows accept d_j with probability min(1, p/q) and otherwise draw from the normalised positive part of p - q
+        (from p after the last draft)."""
+        b, m = ids.shape
+        drafts = ids[:, 1:]
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        penalised = any(p.penalised for p in params)
+        if not (sampled or penalised):
+            target = logits.view(b, m, -1).argmax(dim=-1)
+            accepted = (target[:, :-1] == drafts).int().cumprod(1).sum(1)
+            return target, accepted  # a greedy row's accepted drafts equal its argmax
+        rows = [i for i in range(b) for _ in range(m)]
+        so_far = drafts.tolist() if penalised else None
+        p = self.sampler.probabilities(
+            logits, [params[i] for i in rows],
+            [histories[i] + so_far[i][:j] for i in range(b) for j in range(m)] if penalised else None,
+            [prompt_lens[i] for i in rows]).view(b, m, -1)
+        target = p.argmax(dim=-1)  # greedy rows: p is one-hot on the argmax
+        ok = target[:, :-1] == drafts
+        nxt = target.gather(1, (ok.int().cumprod(1).sum(1))[:, None]).squeeze(1)
+        if sampled:
+            s = torch.tensor(sampled, device=ids.device)
+            q = torch.cat([qs[s], torch.zeros_like(qs[s][:, :1])], 1)  # after the last draft: q = 0, the residual is p
+            u = torch.stack([torch.rand(m - 1, generator=generators[i], device=ids.device) for i in sampled])
+            d = drafts[s][..., None]
+            ok[s] = u * q[:, :-1].gather(2, d).squeeze(2) <= p[s, :-1].gather(2, d).squeeze(2)
+            first = ok[s].int().cumprod(1).sum(1)
+            at = first[:, None, None].expand(-1, 1, p.shape[-1])
+            p_at, q_at = p[s].gather(1, at).squeeze(1), q.gather(1, at).squeeze(1)
+            residual = (p_at - q_at).clamp_min(0)
+            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
+            nxt[s] = draw(residual / residual.sum(-1, keepdim=True), [generators[i] for i in sampled])
+        accepted = ok.int().cumprod(1).sum(1)
+        tokens = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, accepted[:, None], nxt[:, None])
+        return tokens, accepted
 
     def acceptance_rates(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]
