@@ -192,7 +192,8 @@ class DecodeGraphs:
         if kept < m:
             if buf.rollback is None:
                 raise RuntimeError("this step saved no rollback state")
-            for layer, (states, conv) in buf.rollback.items():
-                self.pool.recurrent[layer][cache.slot].copy_(states[index, kept - 1])
-                self.pool.conv[layer][cache.slot].copy_(conv[index, kept - 1])
+            # One multi-tensor launch, not two copies per GDN layer (72 on the 122B) while the GPU waits for the host.
+            slots = [pool[layer][cache.slot] for layer in buf.rollback for pool in (self.pool.recurrent, self.pool.conv)]
+            saved = [t[index, kept - 1] for states_and_conv in buf.rollback.values() for t in states_and_conv]
+            torch._foreach_copy_(slots, saved)
         cache.advance(kept)
