@@ -367,6 +367,15 @@ def bench_int8(b: Bench, quick: bool):
         base = median_us(lambda: F.linear(x, dense))
         b.record("int8_lm_head", shape, nbytes, t, baseline=base, baseline_bytes=v * h * 2 + m * (h + v) * 2,
                  note="baseline: cuBLAS BF16 F.linear on the BF16 head (twice the bytes)")
+
+        def make_dot(cfg, x=x):  # the tensor-core variant (ROOFLINE_INT8_DOT=1 makes it the default for 2..4 rows)
+            return lambda: int8_matmul(x, weight, scale, config=cfg, dot=True)
+
+        b.try_configs("int8_lm_head_dot", shape, nbytes, make_dot, [
+            (f"BV{bv} BH{bh} w{w} s{st}", {"BV": bv, "BH": bh, "num_warps": w, "num_stages": st})
+            for bv, bh, w, st in [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 128, 8, 4),
+                                  (64, 64, 4, 6), (32, 256, 2, 3), (128, 256, 8, 3)]])
+        b.record("int8_lm_head_dot", shape, nbytes, median_us(make_dot(None)), note="tl.dot variant, default config")
     del weight, dense
     torch.cuda.empty_cache()
 

@@ -59,14 +59,14 @@ def test_format_contract_loads_parts():
     assert dst.nbytes == 16 * 24 + 16 * 4
 
 
-def check_kernel(m, v, h, dtype, device, config=None, tol=1e-2):
+def check_kernel(m, v, h, dtype, device, config=None, tol=1e-2, dot=False):
     from roofline.kernels.int8_lm_head import int8_matmul, int8_matmul_reference
 
     torch.manual_seed(m * 13 + v)
     fmt = Int8RowWeight.from_dense(torch.randn(v, h, device=device).to(dtype))
     x = torch.randn(m, h, device=device).to(dtype)
     out = torch.full((m, v), float("nan"), dtype=dtype, device=device)
-    y = int8_matmul(x, fmt.weight, fmt.weight_scale, out=out, config=config)
+    y = int8_matmul(x, fmt.weight, fmt.weight_scale, out=out, config=config, dot=dot)
     ref = int8_matmul_reference(x, fmt.weight, fmt.weight_scale)
     assert not torch.isnan(y).any()
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < tol
@@ -86,6 +86,19 @@ def test_int8_lm_head_interpreter(m, v, h, config):
     check_kernel(m, v, h, torch.float32 if m % 2 else torch.float16, "cpu", config, tol=2e-3)
 
 
+@cpu
+@pytest.mark.parametrize("m,v,h,config", [
+    (2, 100, 96, None),            # V not a multiple of the row block, H not of the column block
+    (3, 37, 64, {"BV": 32}),
+    (4, 130, 200, None),
+    (1, 64, 64, {"BH": 64}),
+])
+def test_int8_lm_head_tensor_core_variant_interpreter(m, v, h, config):
+    """The tl.dot variant (ROOFLINE_INT8_DOT): fp16 x (the interpreter's dot is right in fp16, not in bf16)."""
+    pytest.importorskip("triton")
+    check_kernel(m, v, h, torch.float16, "cpu", config, tol=2e-3, dot=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_int8_lm_head_gpu(m):
@@ -95,3 +108,9 @@ def test_int8_lm_head_gpu(m):
 @pytest.mark.gpu
 def test_int8_lm_head_gpu_odd_sizes():
     check_kernel(3, 5003, 1000, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,v,h", [(1, 248320, 3072), (2, 248320, 3072), (4, 248320, 3072), (3, 5003, 1000)])
+def test_int8_lm_head_tensor_core_variant_gpu(m, v, h):
+    check_kernel(m, v, h, torch.bfloat16, "cuda", dot=True)

@@ -369,6 +369,11 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
 
         if INT4_DEPTH == 2:
             installed["int4 tc two-buffer loop at one row too (ROOFLINE_INT4_DEPTH=2)"] += 1
+    if installed["int8 lm_head"]:
+        from .int8_lm_head import DOT_ROWS
+
+        if DOT_ROWS:
+            installed["int8 lm_head on the tensor cores at 2..4 rows (ROOFLINE_INT8_DOT=1, experiment)"] += 1
     if device.type == "cuda":
         from ._common import PDL_ENABLED, SECOND_STREAM, pdl_supported
 

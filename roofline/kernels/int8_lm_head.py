@@ -7,9 +7,19 @@ batch) costs the same bytes as M = 1. Each lane sums its 16 bytes of a row into 
 (token, row), the next tile's loads are issued before this tile's math (register double-buffer),
 and the lanes' partials meet in one reduction at the end; the row scale multiplies once. V is
 large (248320), so the grid needs no split of H.
+
+With 2..4 rows that loop is instruction-bound (M FMAs per weight byte plus x's conversions: ~21
+instructions a byte at M = 4; H200: 0.61 / 0.45 / 0.45 of copy bandwidth at M = 2 / 3 / 4). The
+tensor-core variant (`_int8_rows_dot_kernel`, an experiment: `ROOFLINE_INT8_DOT=1` for 2..4 rows)
+converts each [BV, BH] weight tile to x's 16-bit type (exact for int8) and multiplies it with x^T
+padded to 16 token columns (tl.dot's smallest N) in fp32, so a byte costs its conversion and the
+products go to the tensor cores; Triton's loop pipelining keeps `num_stages` tiles in flight.
+Written and tested in the interpreter; not yet timed on a GPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -74,6 +84,33 @@ def _int8_rows_kernel(
         tl.store(out_ptr + 3 * V + v, (tl.sum(acc3, axis=1) * scale).to(ty), mask=v < tl.where(M > 3, V, 0))
 
 
+@triton.jit
+def _int8_rows_dot_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, M, V, H,
+    BV: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False,
+):
+    pid = tl.program_id(0)
+    v = pid * BV + tl.arange(0, BV)
+    v_mask = v < V
+    tok = tl.arange(0, 16)  # token columns: 1..4 real, the rest zeros (tl.dot needs N >= 16)
+    hh = tl.arange(0, BH)
+    w_rows = w_ptr + v.to(tl.int64)[:, None] * H
+    acc = tl.zeros([BV, 16], dtype=tl.float32)
+    wait_for_inputs(PDL)
+    for h0 in range(0, H, BH):
+        h = h0 + hh
+        w = tl.load(w_rows + h[None, :], mask=v_mask[:, None] & (h < H)[None, :], other=0)
+        xt = tl.load(x_ptr + tok[None, :] * H + h[:, None], mask=(tok < M)[None, :] & (h < H)[:, None], other=0)
+        acc = tl.dot(w.to(xt.dtype), xt, acc)
+    scale = tl.load(s_ptr + v, mask=v_mask, other=0).to(tl.float32)
+    tl.store(out_ptr + tok[None, :] * V + v[:, None], (acc * scale[:, None]).to(out_ptr.dtype.element_ty),
+             mask=v_mask[:, None] & (tok < M)[None, :])
+
+
+# The tensor-core variant for 2..4 rows, until a GPU run says whether it beats the lanes loop there.
+DOT_ROWS = os.environ.get("ROOFLINE_INT8_DOT", "0") == "1"
+
+
 def default_config(m: int) -> dict:
     """From the H200 sweep (benchmarks/NOTES-kernels.md): 16 rows x 256 bytes; 2 warps from 2 token rows."""
     if INTERPRET:
@@ -81,19 +118,31 @@ def default_config(m: int) -> dict:
     return {"BV": 16, "BH": 256, "num_warps": 4 if m == 1 else 2}
 
 
+def default_dot_config() -> dict:
+    """A first guess (not swept yet): 64 vocabulary rows (one warpgroup's MMA height) x 128 bytes, 4 tiles in flight."""
+    if INTERPRET:
+        return {"BV": 16, "BH": 32, "num_warps": 1}
+    return {"BV": 64, "BH": 128, "num_warps": 4, "num_stages": 4}
+
+
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, out_dtype=None, out=None,
-                config: dict | None = None) -> torch.Tensor:
-    """logits = (x @ q^T) * scale for x [..., H] with 1..4 rows, q int8 [V, H], scale [V] or [V, 1]."""
+                config: dict | None = None, dot: bool | None = None) -> torch.Tensor:
+    """logits = (x @ q^T) * scale for x [..., H] with 1..4 rows, q int8 [V, H], scale [V] or [V, 1]. `dot`: the
+    tensor-core variant (default: for 2..4 rows where ROOFLINE_INT8_DOT=1)."""
     v, h = weight.shape
     x2, lead = decode_rows(x, h, "int8_matmul")
     m = x2.shape[0]
-    cfg = default_config(m)
+    if dot is None:  # fp32 x would multiply in TF32 on the tensor cores: the lanes loop keeps it exact
+        dot = DOT_ROWS and m > 1 and x.dtype in (torch.float16, torch.bfloat16)
+    cfg = default_dot_config() if dot else default_config(m)
     cfg.update(config or {})
     if out is None:
         out = torch.empty(m, v, dtype=out_dtype or x.dtype, device=x.device)
-    _int8_rows_kernel[(triton.cdiv(v, cfg["BV"]),)](
-        x2, weight, scale.reshape(-1), out, m, v, h,
-        BM=max(1, 1 << (m - 1).bit_length()), BV=cfg["BV"], BH=cfg["BH"],
-        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **pdl_options(x.device),
-    )
+    grid = (triton.cdiv(v, cfg["BV"]),)
+    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg.get("num_stages", 1), **pdl_options(x.device)}
+    if dot:
+        _int8_rows_dot_kernel[grid](x2, weight, scale.reshape(-1), out, m, v, h, BV=cfg["BV"], BH=cfg["BH"], **launch)
+    else:
+        _int8_rows_kernel[grid](x2, weight, scale.reshape(-1), out, m, v, h,
+                                BM=max(1, 1 << (m - 1).bit_length()), BV=cfg["BV"], BH=cfg["BH"], **launch)
     return out.reshape(*lead, v)
