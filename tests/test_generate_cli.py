@@ -66,3 +66,17 @@ def test_generate_runs_in_bfloat16_on_cuda(tmp_path):
                      "--temperature", "0", "--json", "--device", "cuda", "--dtype", "bfloat16", "--max-tokens", "8")
     assert result.returncode == 0, result.stderr
     assert len(json.loads(result.stdout)["token_ids"]) >= 1
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_engine_flags_reach_the_engine(command):
+    """--enforce-eager, --no-int8-lm-head and --no-async-scheduling become Engine.from_pretrained's keywords."""
+    from roofline.cli import build_parser
+    from roofline.commands.flags import engine_options
+
+    extra = ["--prompt-ids", "1"] if command == "generate" else []
+    defaults = engine_options(build_parser().parse_args([command, *extra]))
+    assert defaults == {"int8_lm_head": None, "cuda_graphs": None, "async_scheduling": True}
+    off = engine_options(build_parser().parse_args(
+        [command, *extra, "--enforce-eager", "--no-int8-lm-head", "--no-async-scheduling"]))
+    assert off == {"int8_lm_head": False, "cuda_graphs": False, "async_scheduling": False}
