@@ -204,3 +204,19 @@ def test_speculative_flags():
         parse(speculative_config='{"method":"mtp","draft_vocab_size":0}')
     with pytest.raises(UserError, match="unknown key"):
         parse(speculative_config='{"method":"mtp","num_draft":2}')
+
+
+def test_sequences_compare_by_identity(checkpoint):
+    """Two requests with the same prompt are different sequences, and finding one in the engine's list must not
+    compare prompts (with 32K-token prompts that took ms per step)."""
+    class Uncomparable(list):
+        def __eq__(self, other):
+            raise AssertionError("a prompt was compared")
+
+    engine = engine_for(checkpoint)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    a, b = engine.add(PROMPTS[0], params), engine.add(PROMPTS[0], params)
+    a.prompt_ids, b.prompt_ids = Uncomparable(a.prompt_ids), Uncomparable(b.prompt_ids)
+    assert a != b and engine.sequences.index(b) == 1
+    engine.cancel(a)
+    assert engine.sequences == [b]

@@ -55,7 +55,7 @@ class TokenEvent:
     finish_reason: str | None  # "stop" | "length" | None while running
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `seq in sequences` must not compare prompts (ms per step with long, equal ones)
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
