@@ -75,28 +75,20 @@ def check_kernel(m, v, h, dtype, device, config=None, tol=1e-2, dot=False):
 
 
 @cpu
-@pytest.mark.parametrize("m,v,h,config", [
-    (1, 100, 96, None),            # V not a multiple of the row block, H not of the column block
-    (2, 37, 64, {"BV": 8}),
-    (3, 130, 200, None),
-    (4, 64, 64, {"BH": 64}),
+@pytest.mark.parametrize("m,v,h,config,dot", [
+    (1, 100, 96, None, False),            # V not a multiple of the row block, H not of the column block
+    (2, 37, 64, {"BV": 8}, False),
+    (3, 130, 200, None, False),
+    (4, 64, 64, {"BH": 64}, False),
+    (2, 100, 96, None, True),             # the tl.dot variant (ROOFLINE_INT8_DOT)
+    (3, 37, 64, {"BV": 32}, True),
+    (4, 130, 200, None, True),
+    (1, 64, 64, {"BH": 64}, True),
 ])
-def test_int8_lm_head_interpreter(m, v, h, config):
+def test_int8_lm_head_interpreter(m, v, h, config, dot):
+    """fp32 and fp16 x; the tl.dot variant in fp16 (the interpreter's dot is right in fp16, not in bf16)."""
     pytest.importorskip("triton")
-    check_kernel(m, v, h, torch.float32 if m % 2 else torch.float16, "cpu", config, tol=2e-3)
-
-
-@cpu
-@pytest.mark.parametrize("m,v,h,config", [
-    (2, 100, 96, None),            # V not a multiple of the row block, H not of the column block
-    (3, 37, 64, {"BV": 32}),
-    (4, 130, 200, None),
-    (1, 64, 64, {"BH": 64}),
-])
-def test_int8_lm_head_tensor_core_variant_interpreter(m, v, h, config):
-    """The tl.dot variant (ROOFLINE_INT8_DOT): fp16 x (the interpreter's dot is right in fp16, not in bf16)."""
-    pytest.importorskip("triton")
-    check_kernel(m, v, h, torch.float16, "cpu", config, tol=2e-3, dot=True)
+    check_kernel(m, v, h, torch.float16 if dot or m % 2 == 0 else torch.float32, "cpu", config, tol=2e-3, dot=dot)
 
 
 @pytest.mark.gpu
