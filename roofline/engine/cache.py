@@ -133,18 +133,41 @@ class SlotCache(SequenceCache):
     and writes go through to it."""
 
     def __init__(self, pool: CachePool, slot: int, record_steps: bool = False):
-        super().__init__(record_steps)
         self.pool, self.slot = pool, slot
+        self._kv_stale = True
+        super().__init__(record_steps)
         for layer, conv in pool.conv.items():
             self.conv[layer] = conv[slot].zero_()
         for layer, state in pool.recurrent.items():
             self.recurrent[layer] = state[slot].zero_()
+
+    # The KV views are cut when read, not at every step: a captured decode step never reads them, and cutting
+    # two views per attention layer cost ~40 us of host time per token and sequence.
+    @property
+    def keys(self) -> dict[int, torch.Tensor]:
         self._refresh_kv()
+        return self._keys
+
+    @keys.setter
+    def keys(self, views: dict[int, torch.Tensor]) -> None:
+        self._keys = views
+
+    @property
+    def values(self) -> dict[int, torch.Tensor]:
+        self._refresh_kv()
+        return self._values
+
+    @values.setter
+    def values(self, views: dict[int, torch.Tensor]) -> None:
+        self._values = views
 
     def _refresh_kv(self) -> None:
+        if not self._kv_stale:
+            return
+        self._kv_stale = False
         for layer in self.pool.keys:
-            self.keys[layer] = self.pool.keys[layer][self.slot, : self.num_tokens]
-            self.values[layer] = self.pool.values[layer][self.slot, : self.num_tokens]
+            self._keys[layer] = self.pool.keys[layer][self.slot, : self.num_tokens]
+            self._values[layer] = self.pool.values[layer][self.slot, : self.num_tokens]
 
     def set_conv(self, layer: int, window: torch.Tensor) -> None:
         self.conv[layer].copy_(window)
@@ -165,8 +188,8 @@ class SlotCache(SequenceCache):
     def advance(self, num_tokens: int) -> None:
         """After a step that wrote the pool directly (a captured graph): count its tokens."""
         self.num_tokens += num_tokens
-        self._refresh_kv()
+        self._kv_stale = True
 
     def truncate(self, num_tokens: int) -> None:
         super().truncate(num_tokens)
-        self._refresh_kv()
+        self._kv_stale = True
