@@ -192,8 +192,9 @@ class DecodeGraphs:
         if kept < m:
             if buf.rollback is None:
                 raise RuntimeError("this step saved no rollback state")
-            # One multi-tensor launch, not two copies per GDN layer (72 on the 122B) while the GPU waits for the host.
-            slots = [pool[layer][cache.slot] for layer in buf.rollback for pool in (self.pool.recurrent, self.pool.conv)]
-            saved = [t[index, kept - 1] for states_and_conv in buf.rollback.values() for t in states_and_conv]
-            torch._foreach_copy_(slots, saved)
+            # Two multi-tensor copies (states fp32, conv windows in the model's dtype: one dtype per launch), not two
+            # copies per GDN layer (72 on the 122B) issued while the GPU waits for the host.
+            for which, pool in enumerate((self.pool.recurrent, self.pool.conv)):
+                torch._foreach_copy_([pool[layer][cache.slot] for layer in buf.rollback],
+                                     [saved[which][index, kept - 1] for saved in buf.rollback.values()])
         cache.advance(kept)
