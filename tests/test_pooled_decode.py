@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from roofline.config import ModelConfig
 from roofline.engine.cache import CachePool, SequenceCache
 from roofline.engine.engine import Engine
 from roofline.engine.sampling import SamplingParams
@@ -146,6 +147,20 @@ def test_slot_cache_prefill_equals_growing_cache(checkpoint):
     assert torch.allclose(model.logits(model(nxt, [1], [slot])), model.logits(model(nxt, [1], [plain])), atol=1e-5)
     with pytest.raises(ValueError, match="holds 64 tokens"):
         model(torch.zeros(60, dtype=torch.long), [60], [slot])
+
+
+def test_slot_cache_views_follow_its_length():
+    """A slot's KV views (cut when read) and its byte count follow advance(), as a growing cache's would."""
+    cfg = ModelConfig.from_dict(text_config())
+    pool = CachePool(cfg, cfg.layer_types, 2, 64, "cpu", torch.float32)
+    pool.acquire()
+    cache = pool.acquire()
+    for step in (3, 1, 4):
+        cache.advance(step)
+        views = [*cache.keys.values(), *cache.values.values()]
+        assert views and all(v.shape[0] == cache.num_tokens for v in views)
+        assert all(v.data_ptr() == pool.keys[layer][1].data_ptr() for layer, v in cache.keys.items())
+        assert cache.kv_nbytes == sum(v.numel() * v.element_size() for v in views) > 0
 
 
 @pytest.mark.gpu

@@ -74,8 +74,17 @@ class SequenceCache:
 
     @property
     def nbytes(self) -> int:
-        tensors = [*self.keys.values(), *self.values.values(), *self.conv.values(), *self.recurrent.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return self.kv_nbytes + self.state_nbytes
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the keys and values this sequence holds, counted from the tensors."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of its GDN conv windows and recurrent states."""
+        return sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.recurrent.values()))
 
 
 class CachePool:
@@ -184,6 +193,13 @@ class SlotCache(SequenceCache):
         values[self.num_tokens : end] = v
         self.keys[layer], self.values[layer] = keys[:end], values[:end]
         return self.keys[layer], self.values[layer]
+
+    @property
+    def kv_nbytes(self) -> int:
+        """The pool's bytes per position of this slot (every layer's keys and values) times the positions held:
+        what the views hold, without cutting them (the server's gauges read this every step)."""
+        per_token = sum(t[self.slot, 0].numel() * t.element_size() for t in (*self.pool.keys.values(), *self.pool.values.values()))
+        return per_token * self.num_tokens
 
     def advance(self, num_tokens: int) -> None:
         """After a step that wrote the pool directly (a captured graph): count its tokens."""

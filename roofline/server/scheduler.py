@@ -58,10 +58,7 @@ class CacheMemory:
 
 def cache_bytes(seq: Sequence) -> tuple[int, int]:
     """(KV bytes, GDN state bytes) a sequence holds now, counted from its tensors."""
-    c = seq.cache
-    kv = sum(t.numel() * t.element_size() for t in (*c.keys.values(), *c.values.values()))
-    state = sum(t.numel() * t.element_size() for t in (*c.conv.values(), *c.recurrent.values()))
-    return kv, state
+    return seq.cache.kv_nbytes, seq.cache.state_nbytes
 
 
 class QueueFull(Exception):
