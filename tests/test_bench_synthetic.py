@@ -54,7 +54,7 @@ def test_synthetic_command_on_gpu(tmp_path):
     out = tmp_path / "r.json"
     result = subprocess.run(
         [sys.executable, "-m", "roofline.cli", "bench", "synthetic", "--shape", "qwen3.5-35b-a3b", "--layers", "4",
-         "--contexts", "0,2K", "--repeats", "3", "--capacity", "4K", "--profile", "--engine-tokens", "40", "--out", str(out)],
+         "--contexts", "0,2K", "--repeats", "3", "--capacity", "4K", "--profile", "--engine-tokens", "40", "--prefill", "1K", "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
@@ -70,6 +70,7 @@ def test_synthetic_command_on_gpu(tmp_path):
     if not prof["programmatic_dependent_launch"]:  # kernels one after another: their time fits in the span
         assert prof["kernel_us_per_step"] <= prof["span_us_per_step"]
     assert any("gate_up" in k["name"] for k in prof["by_kernel"]), prof["by_kernel"][:5]  # the grouped experts kernel
+    assert [p["prompt_tokens"] for p in r["prefill"]] == [1024] and r["prefill"][0]["tok_s"] > 0
     loop = r["engine_loop"]  # the engine's own decode loop: async scheduling launches every step after the first ahead
     assert len(loop) == 5 and all(e["tokens"] == 40 for e in loop) and all(e["tok_s"] > 0 for e in loop[:4])
     assert [e["steps_launched_ahead"] for e in loop[:4]] == [0, 39, 0, 39]
@@ -79,14 +80,16 @@ def test_synthetic_command_on_gpu(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU runs it in the command above")
 def test_engine_loop_measures_async_scheduling_on_the_synthetic_model():
-    """The engine-loop rows (greedy / sampled x async scheduling off / on) on the tiny shape, the pooled step in
+    """Prefill rows (prompt lengths after a warm-up prompt), then the engine-loop rows (greedy / sampled x async scheduling off / on) on the tiny shape, the pooled step in
     Triton's interpreter: async scheduling launches every decode step but the last one ahead, with the same tokens."""
     pytest.importorskip("triton")
-    from roofline.bench.synthetic import engine_loop
+    from roofline.bench.synthetic import engine_loop, engine_prefill
     from roofline.kernels.dispatch import install_fast_path
 
     model, _ = build_synthetic_model("tiny", resolve_layout("bf16"), "cpu", torch.float32)
     assert install_fast_path(model, allow_cpu=True).graph_ready
+    prefill = engine_prefill(model, prompts=(9, 20), repeats=1, warmup_tokens=4)
+    assert [p["prompt_tokens"] for p in prefill] == [9, 20] and all(p["ms"] > 0 and p["tok_s"] > 0 for p in prefill)
     rows = engine_loop(model, tokens=5, warmup=1, prompt_tokens=4)
     mtp = rows.pop()  # the tiny shape has an MTP head: greedy MTP-2 through the engine, the same tokens
     assert mtp["mtp"] == 2 and mtp["tokens"] == 5 and mtp["tokens_equal_without_mtp"] and mtp["ms_per_step"] > 0

@@ -16,6 +16,7 @@ measures in the same run:
   captured as its own graph over all layers; "rest" is the whole step minus their sum;
 - the MTP draft step and the tok/s of MTP-k at stated acceptance rates, labelled modelled
   (random weights say nothing about acceptance);
+- prefill through the engine (a fresh sequence's prompt and first token, llama-bench's "pp");
 - the engine's own decode loop (`Engine.step`: sampling, each token read back, length checks),
   greedy and with Qwen3.5's recommended sampling, with async scheduling off and on: the speed
   a user of one stream gets, and whether launching the next step ahead hides the host's part;
@@ -296,6 +297,29 @@ def engine_loop(model, tokens: int = 256, warmup: int = 16, prompt_tokens: int =
     return rows
 
 
+def engine_prefill(model, prompts=(4096,), repeats: int = 2, warmup_tokens: int = 512) -> list[dict]:
+    """Prompt processing through `Engine.step` (llama-bench's "pp"): per prompt length, the median time of the
+    step that prefills a fresh sequence and samples its first token (time to first token, no queueing), after
+    one `warmup_tokens` prompt that compiles the prefill kernels."""
+    vocab = model.config.vocab_size
+    engine = Engine(model, None, Path("synthetic"), max_model_len=max(*prompts, warmup_tokens) + 2, pooled_decode=True,
+                    max_num_seqs=1)
+    rows = []
+    for index, n in enumerate((warmup_tokens, *prompts)):
+        ids = [(7919 * i + 13) % vocab for i in range(n)]  # varied ids, the same every run
+        times = []
+        for _ in range(repeats if index else 1):
+            engine.add(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+            start = time.perf_counter()
+            while engine.sequences:
+                engine.step()  # one step: the prefill and its first token, read back
+            times.append((time.perf_counter() - start) * 1e3)
+        if index:
+            ms = statistics.median(times)
+            rows.append({"prompt_tokens": n, "ms": ms, "tok_s": n / ms * 1e3})
+    return rows
+
+
 def _pool_bytes(pool: CachePool) -> tuple[int, int]:
     """(GDN state bytes read + written per token, KV bytes read per context token) of one slot."""
     state = sum(t[0].numel() * t.element_size() for t in (*pool.recurrent.values(), *pool.conv.values()))
@@ -305,7 +329,8 @@ def _pool_bytes(pool: CachePool) -> tuple[int, int]:
 
 def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768), verify_tokens=(2, 3, 4),
                   repeats: int = 50, acceptance=(0.95, 0.80), layers: int | None = None, capacity: int = 262144,
-                  device: str = "cuda", progress=print, profile: bool = False, engine_tokens: int = 256) -> dict:
+                  device: str = "cuda", progress=print, profile: bool = False, engine_tokens: int = 256,
+                  prefill=(4096,)) -> dict:
     """Everything the module docstring lists, as a JSON-ready dict."""
     from ..errors import UserError
     from .environment import environment
@@ -379,6 +404,10 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                          "modelled": modelled_mtp(verify[1], verify_k, draft, acceptance),
                          "draft_vocab": DRAFT_VOCAB, "draft_step_ms_small_vocab": small,
                          "modelled_small_vocab": modelled_mtp(verify[1], verify_k, small, acceptance)}
+    if prefill:
+        result["prefill"] = engine_prefill(model, prefill)
+        progress("prefill: " + ", ".join(f"{r['prompt_tokens']} tokens {r['ms']:.0f} ms ({r['tok_s']:.0f} tok/s)"
+                                         for r in result["prefill"]))
     if engine_tokens:
         result["engine_loop"] = engine_loop(model, engine_tokens)
         for row in result["engine_loop"]:
@@ -426,6 +455,10 @@ def format_report(r: dict) -> str:
                   + (" (overlapping under programmatic dependent launch: times include each kernel's wait)"
                      if kp.get("programmatic_dependent_launch") else ""), "| kernel | launches/step | us/step |", "|---|---|---|"]
         lines += [f"| {k['name']} | {k['launches']:.0f} | {k['us']:.1f} |" for k in kp["by_kernel"][:25]]
+    if r.get("prefill"):
+        lines += ["", "Prefill through Engine.step (a fresh sequence's prompt and its first token):",
+                  "| prompt tokens | ms (time to first token) | tok/s |", "|---|---|---|"]
+        lines += [f"| {p['prompt_tokens']} | {p['ms']:.1f} | {p['tok_s']:.0f} |" for p in r["prefill"]]
     if r.get("engine_loop"):
         lines += ["", "Engine decode loop (Engine.step, one sequence, context ~0; the step above reads its token before "
                       "the next launch):", "| sampling | async scheduling | tok/s | ms/token | steps launched ahead | "

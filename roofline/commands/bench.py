@@ -225,6 +225,7 @@ def add_synthetic(sub) -> None:
     p.add_argument("--layers", type=int, default=None, help="only the first N layers (a quick check)")
     p.add_argument("--profile", action="store_true", help="also list the kernels of one captured step (CUDA profiler): "
                                                            "launches and device time per kernel, and the idle gaps")
+    p.add_argument("--prefill", default="4K", help="prompt lengths to time prefill at, K = 1024 (default 4K; 0 skips it)")
     p.add_argument("--engine-tokens", type=int, default=256,
                    help="tokens the engine's own decode loop generates per mode (greedy / sampled, async scheduling "
                         "off / on); 0 skips it (default 256)")
@@ -245,12 +246,13 @@ def cmd_synthetic(args) -> int:
     capacity = parse_int_list(args.capacity, "--capacity", sizes=True, minimum=1)[0]
     if args.repeats < 1:
         raise UserError("--repeats must be at least 1")
+    prefill = [n for n in parse_int_list(args.prefill, "--prefill", sizes=True, minimum=0) if n]
     if args.engine_tokens != 0 and args.engine_tokens < 32:
         raise UserError("--engine-tokens must be 0 (skip) or at least 32 (the first 16 tokens are warm-up)")
     result = run_synthetic(args.shape, layout_from_args(args), contexts, verify, args.repeats,
                            parse_acceptance(args.acceptance), args.layers, capacity,
                            progress=lambda msg: print(msg, file=sys.stderr, flush=True), profile=args.profile,
-                           engine_tokens=args.engine_tokens)
+                           engine_tokens=args.engine_tokens, prefill=prefill)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
