@@ -97,6 +97,39 @@ def test_decode_kernels_read_blocked_weights_interpreter():
         torch.testing.assert_close(torch.cat(got, -1).float(), ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("blocked", [False, True])
+def test_one_launch_dequantisation_equals_the_reference(blocked):
+    """The prefill path's INT4 dequantisation (int4_dequant, in the interpreter): bit for bit the reference's, for a
+    weight alone, each expert, and a merged projection's parts (column views), in GPTQ and blocked order."""
+    pytest.importorskip("triton")
+    from roofline.kernels.dispatch import many_rows_forward
+    from roofline.kernels.int4_dequant import dequantize_int4
+
+    parts = [int4(256, 256, 0), int4(128, 256, 1), int4(128, 256, 2)]
+    solo, experts = int4(200, 384, 3), int4(64, 256, 10, experts=3)  # 200 rows: not a multiple of the tile
+    root = holder(parts, solo)
+    if blocked:
+        _block_int4_weights(root, torch.float16, Counter())
+        _block(experts)
+    assert all(p.qweight.stride(-2) != p.out_features for p in parts) or blocked, "parts are column views"
+    for dtype in (torch.float32, torch.float16):
+        for weight, expert in [(solo, None), *((p, None) for p in parts), *((experts, e) for e in range(3))]:
+            assert torch.equal(dequantize_int4(weight, expert, dtype), weight.dequantize(expert).to(dtype))
+    x = torch.randn(9, 256)  # more rows than the decode kernels take: the prefill path
+    assert torch.equal(many_rows_forward(parts[1], x), torch.nn.functional.linear(x, parts[1].dequantize()))
+
+
+@pytest.mark.gpu
+def test_one_launch_dequantisation_equals_the_reference_gpu():
+    """At the 122B experts' shape (gate_up 2048 x 3072), blocked as the fast path keeps it, into bf16."""
+    from roofline.kernels.int4_dequant import dequantize_int4
+
+    experts = int4(2048, 3072, 20, experts=2).to("cuda")
+    _block(experts)
+    for e in range(2):
+        assert torch.equal(dequantize_int4(experts, e, torch.bfloat16), experts.dequantize(e).to(torch.bfloat16))
+
+
 def test_a_blocked_weight_refuses_the_lanes_path():
     from roofline.kernels.int4_gemv import int4_matmul
 
@@ -116,3 +149,26 @@ def test_the_weight_order_follows_speculation_unless_forced(monkeypatch):
     monkeypatch.setenv("ROOFLINE_INT4_QBLK", "yes")
     with pytest.raises(UserError, match="ROOFLINE_INT4_QBLK must be 0 or 1"):
         block_int4_wanted(speculative=False)
+
+
+def test_int4_moe_prefill_through_the_fast_path_equals_the_reference(tmp_path):
+    """A 20-token prefill (past the grouped experts' 16 rows: the loop over experts) of an INT4 checkpoint with the
+    fast path installed (interpreter): every INT4 weight, routed experts included, dequantised by int4_dequant."""
+    pytest.importorskip("triton")
+    from roofline.checkpoint import load_model
+    from roofline.engine.cache import SequenceCache
+    from roofline.kernels.dispatch import install_fast_path
+    from roofline.model.layers import Experts
+    from tiny_checkpoints import INT4_PLAN, reference_model, text_config, write_variant
+
+    cfg = text_config()  # 4 layers: 3 GDN, 1 full attention
+    hf, mtp = reference_model(cfg, seed=5)
+    write_variant(hf, mtp, tmp_path / "m", cfg=cfg, plan=INT4_PLAN)
+    ids = torch.arange(3, 23)
+    reference, _ = load_model(tmp_path / "m", "cpu", torch.float32)
+    want = reference.logits(reference(ids, [len(ids)], [SequenceCache()]))
+    fast, _ = load_model(tmp_path / "m", "cpu", torch.float32)
+    assert install_fast_path(fast, allow_cpu=True).installed["int4 experts"]
+    experts = next(m for m in fast.modules() if isinstance(m, Experts))
+    assert experts.gate_up.forward.func.__name__ == "many_rows_forward"
+    torch.testing.assert_close(fast.logits(fast(ids, [len(ids)], [SequenceCache()])), want, rtol=1e-4, atol=1e-4)

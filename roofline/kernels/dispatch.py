@@ -62,6 +62,16 @@ def _int4(weight: Int4Weight, sym: bool, x: torch.Tensor, expert: int | None = N
 
         return int4_matmul(x, weight.qweight, weight.qzeros, weight.scales, weight.group_size, sym=sym,
                            config=int4_config(weight))
+    return many_rows_forward(weight, x, expert)
+
+
+def many_rows_forward(weight: LinearWeight, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
+    """A call with more rows than the decode kernels take (prefill): x @ W^T on the dequantised weight, built in one
+    launch for INT4 (`int4_dequant`; the same values as the reference's), by the format's reference otherwise."""
+    if isinstance(weight, Int4Weight):
+        from .int4_dequant import dequantize_int4
+
+        return F.linear(x, dequantize_int4(weight, expert, x.dtype))
     return LinearWeight.forward(weight, x, expert)
 
 
@@ -321,6 +331,8 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
         if isinstance(module, Experts) and isinstance(module.gate_up, Int4Weight) and isinstance(module.down, Int4Weight):
             syms = (is_symmetric(module.gate_up.qzeros), is_symmetric(module.down.qzeros))
             module.forward = partial(_experts, module, syms)
+            for weight in (module.gate_up, module.down):  # prefill: each expert's weight dequantised in one launch
+                weight.forward = partial(many_rows_forward, weight)
             installed["int4 experts"] += 1
         elif isinstance(module, LinearWeight) and not module.num_experts:
             kind = install_weight_kernel(module)

@@ -21,7 +21,7 @@ from functools import partial
 import torch
 
 from ..quant import LinearWeight
-from .dispatch import MAX_DECODE_ROWS, row_count
+from .dispatch import MAX_DECODE_ROWS, many_rows_forward, row_count
 
 _SETTINGS = ("group_size", "block")  # format settings that must agree (INT4 group, FP8 scale block)
 
@@ -68,7 +68,7 @@ def _part_forward(merged: LinearWeight, start: int, stop: int, part: LinearWeigh
                   expert: int | None = None) -> torch.Tensor:
     if 1 <= row_count(x) <= MAX_DECODE_ROWS:
         return merged(x)[..., start:stop]
-    return LinearWeight.forward(part, x, expert)
+    return many_rows_forward(part, x, expert)
 
 
 class Projections:
