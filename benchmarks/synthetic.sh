@@ -26,7 +26,7 @@ if [ "$TEST_LIMIT" != 0 ]; then
     tests/test_pooled_decode.py tests/test_fast_path.py tests/test_bench_synthetic.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
 fi
 # Since session 11 each shape also times prefill (a 4K prompt) and the engine's own loop (~+20-40 s, estimated)
-synthetic qwen3.5-122b-a10b 270
-timeout 60 python3 benchmarks/speculative.py --prompts 1 --out "$OUT/$day-speculative-cuda-b1.json" 2>&1 | tail -7
+synthetic qwen3.5-122b-a10b 260
+timeout 50 python3 benchmarks/speculative.py --prompts 1 --out "$OUT/$day-speculative-cuda-b1.json" 2>&1 | tail -7
 synthetic qwen3.5-35b-a3b 75
 synthetic qwen3.5-27b 75
