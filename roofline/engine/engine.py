@@ -128,7 +128,7 @@ class Engine:
         self.async_scheduling = async_scheduling  # with pooled decode: see the module docstring
         self._in_flight: LaunchedStep | None = None  # a decode step launched ahead, its tokens not yet read
         self.steps_launched_ahead = 0  # how often async scheduling applied (the benchmark reports it)
-        self._async_blockers_logged: set[str] = set()
+        self._penalties_logged = False
         self.generation_config = model_dir / "generation_config.json"
         self.sequences: list[Sequence] = []
         self._ids = itertools.count(1)
@@ -352,22 +352,20 @@ class Engine:
 
     def _launch_ahead(self, launched: LaunchedStep) -> LaunchedStep | None:
         """The decode step after `launched` for its sequences that will still run after its tokens, with those
-        tokens as input ids straight from the device; None when there is none or async scheduling cannot apply."""
-        if not self.async_scheduling:
+        tokens as input ids straight from the device; None when there is none or async scheduling cannot apply
+        (with MTP speculation the head needs each plain step's tokens and hidden states: see ensure_pools' log)."""
+        if not self.async_scheduling or self.speculator:
             return None
         rows = [i for i, s in enumerate(launched.sequences)
                 if s in self.sequences and not self._at_length_limit(s, len(s.output_ids) + 1)]
         if not rows:
             return None
         following = [launched.sequences[i] for i in rows]
-        blocker = ("a repetition, presence or frequency penalty needs the last token on the host"
-                   if any(s.params.penalised for s in following) else
-                   "the MTP head needs each plain step's tokens and hidden states first"
-                   if any(s.draft is not None for s in following) else None)
-        if blocker:
-            if blocker not in self._async_blockers_logged:
-                self._async_blockers_logged.add(blocker)
-                log.info("async scheduling off for steps where %s; they run one at a time", blocker)
+        if any(s.params.penalised for s in following):
+            if not self._penalties_logged:
+                self._penalties_logged = True
+                log.info("async scheduling off for steps where a repetition, presence or frequency penalty needs the "
+                         "last token on the host; they run one at a time")
             return None
         ids = launched.token_ids
         if len(rows) < len(launched.sequences):
