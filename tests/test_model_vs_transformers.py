@@ -139,3 +139,31 @@ def test_bfloat16_compute_matches_transformers_in_bfloat16(tmp_path):
     # bf16 rounding moves this random model's logits by ~25% against fp32, in transformers too;
     # against transformers run in bf16 the two implementations agree far closer than that.
     assert_close(engine_logits(model, PROMPT), hf_logits(hf.to(torch.bfloat16), PROMPT), tol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_experts_equal_the_per_token_formula(dtype):
+    """The experts' prefill loop (rows grouped by expert, one host read a call) is each token's sum over its chosen
+    experts in ascending order of w * down(silu(gate) * up), accumulated in the model's dtype (up to the matmuls'
+    rounding: one row at a time here, an expert's rows together there)."""
+    import torch.nn.functional as F
+
+    from roofline.model.layers import Experts
+    from roofline.quant import DenseWeight
+
+    gen = torch.Generator().manual_seed(3)
+    experts = Experts(8, 64, 32)
+    experts.gate_up, experts.down = DenseWeight(64, 64, 8, dtype=dtype), DenseWeight(64, 32, 8, dtype=dtype)
+    for w in (experts.gate_up.weight, experts.down.weight):
+        w.copy_(torch.randn(w.shape, generator=gen))
+    x = torch.randn(37, 64, generator=gen).to(dtype)
+    top = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(37)])  # expert 0..7, not in order
+    weights = torch.rand(37, 3, generator=gen).to(dtype)
+    want = torch.zeros_like(x)
+    for t in range(37):
+        for slot in top[t].argsort().tolist():
+            e = int(top[t, slot])
+            gate, up = (x[t : t + 1] @ experts.gate_up.weight[e].t()).chunk(2, dim=-1)
+            want[t] += ((F.silu(gate) * up) @ experts.down.weight[e].t())[0] * weights[t, slot]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(experts(x, top, weights), want, rtol=tol, atol=tol * want.abs().max().item())
