@@ -259,11 +259,16 @@ def modelled_mtp(decode_1: float, verify: dict[int, float], draft: float, accept
 ENGINE_SAMPLING = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "seed": 0}}
 
 
+def _one_sequence_engine(model, max_model_len: int, **engine_args) -> Engine:
+    """An engine on the synthetic model for one sequence at a time, decoding through its pooled caches and graphs."""
+    return Engine(model, None, Path("synthetic"), max_model_len=max_model_len, pooled_decode=True, max_num_seqs=1,
+                  **engine_args)
+
+
 def _engine_steps(model, tokens: int, warmup: int, prompt_tokens: int, sampling: dict, **engine_args):
     """Decode one sequence through `Engine.step` after a short prompt: (engine, sequence, ms per step after
     `warmup` steps, which cover the graph captures, steps timed)."""
-    engine = Engine(model, None, Path("synthetic"), max_model_len=prompt_tokens + tokens + 1, pooled_decode=True,
-                    max_num_seqs=1, **engine_args)
+    engine = _one_sequence_engine(model, prompt_tokens + tokens + 1, **engine_args)
     seq = engine.add([1] * prompt_tokens, SamplingParams(max_tokens=tokens, ignore_eos=True, **sampling))
     stamps = []
     while engine.sequences:
@@ -286,7 +291,8 @@ def engine_loop(model, tokens: int = 256, warmup: int = 16, prompt_tokens: int =
                          "tok_s": 1e3 / ms, "steps_launched_ahead": engine.steps_launched_ahead,
                          "tokens_equal_async_off": seq.output_ids == tokens_off if on else None})
             tokens_off = seq.output_ids
-            greedy_tokens = seq.output_ids if name == "greedy" else greedy_tokens
+            if name == "greedy" and not on:
+                greedy_tokens = seq.output_ids
     if model.mtp is not None and mtp:
         engine, seq, ms, steps = _engine_steps(model, tokens, warmup, prompt_tokens, ENGINE_SAMPLING["greedy"],
                                                speculative=SpeculativeConfig(mtp))
@@ -302,8 +308,7 @@ def engine_prefill(model, prompts=(4096,), repeats: int = 2, warmup_tokens: int 
     step that prefills a fresh sequence and samples its first token (time to first token, no queueing), after
     one `warmup_tokens` prompt that compiles the prefill kernels."""
     vocab = model.config.vocab_size
-    engine = Engine(model, None, Path("synthetic"), max_model_len=max(*prompts, warmup_tokens) + 2, pooled_decode=True,
-                    max_num_seqs=1)
+    engine = _one_sequence_engine(model, max(*prompts, warmup_tokens) + 2)
     rows = []
     for index, n in enumerate((warmup_tokens, *prompts)):
         ids = [(7919 * i + 13) % vocab for i in range(n)]  # varied ids, the same every run
@@ -323,8 +328,7 @@ def engine_prefill(model, prompts=(4096,), repeats: int = 2, warmup_tokens: int 
 def _pool_bytes(pool: CachePool) -> tuple[int, int]:
     """(GDN state bytes read + written per token, KV bytes read per context token) of one slot."""
     state = sum(t[0].numel() * t.element_size() for t in (*pool.recurrent.values(), *pool.conv.values()))
-    kv = sum(t[0, 0].numel() * t.element_size() for t in (*pool.keys.values(), *pool.values.values()))
-    return 2 * state, kv
+    return 2 * state, pool.kv_bytes_per_token
 
 
 def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768), verify_tokens=(2, 3, 4),

@@ -121,6 +121,8 @@ class CachePool:
         self.pad_slot = num_slots  # GDN state of padding rows
         self.pad_kv = (0, max_len)  # (slot, first position) of padding rows' keys and values
         self.free = list(range(num_slots))
+        # one slot's bytes per position, every layer's keys and values (what a token of context holds)
+        self.kv_bytes_per_token = sum(t[0, 0].numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
 
     @property
     def nbytes(self) -> int:
@@ -196,10 +198,8 @@ class SlotCache(SequenceCache):
 
     @property
     def kv_nbytes(self) -> int:
-        """The pool's bytes per position of this slot (every layer's keys and values) times the positions held:
-        what the views hold, without cutting them (the server's gauges read this every step)."""
-        per_token = sum(t[self.slot, 0].numel() * t.element_size() for t in (*self.pool.keys.values(), *self.pool.values.values()))
-        return per_token * self.num_tokens
+        """What the views hold, without cutting them (the server's gauges read this every step)."""
+        return self.pool.kv_bytes_per_token * self.num_tokens
 
     def advance(self, num_tokens: int) -> None:
         """After a step that wrote the pool directly (a captured graph): count its tokens."""

@@ -263,7 +263,7 @@ class MtpSpeculator:
         penalised = any(p.penalised for p in params)
         if not (sampled or penalised):
             target = logits.view(b, m, -1).argmax(dim=-1)
-            accepted = (target[:, :-1] == drafts).int().cumprod(1).sum(1)
+            accepted = _leading_true(target[:, :-1] == drafts)
             return target, accepted  # a greedy row's accepted drafts equal its argmax
         rows = [i for i in range(b) for _ in range(m)]
         so_far = drafts.tolist() if penalised else None
@@ -273,20 +273,20 @@ class MtpSpeculator:
             [prompt_lens[i] for i in rows]).view(b, m, -1)
         target = p.argmax(dim=-1)  # greedy rows: p is one-hot on the argmax
         ok = target[:, :-1] == drafts
-        nxt = target.gather(1, (ok.int().cumprod(1).sum(1))[:, None]).squeeze(1)
+        nxt = target.gather(1, _leading_true(ok)[:, None]).squeeze(1)
         if sampled:
             s = torch.tensor(sampled, device=ids.device)
             q = torch.cat([qs[s], torch.zeros_like(qs[s][:, :1])], 1)  # after the last draft: q = 0, the residual is p
             u = torch.stack([torch.rand(m - 1, generator=generators[i], device=ids.device) for i in sampled])
             d = drafts[s][..., None]
             ok[s] = u * q[:, :-1].gather(2, d).squeeze(2) <= p[s, :-1].gather(2, d).squeeze(2)
-            first = ok[s].int().cumprod(1).sum(1)
+            first = _leading_true(ok[s])
             at = first[:, None, None].expand(-1, 1, p.shape[-1])
             p_at, q_at = p[s].gather(1, at).squeeze(1), q.gather(1, at).squeeze(1)
             residual = (p_at - q_at).clamp_min(0)
             residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
             nxt[s] = draw(residual / residual.sum(-1, keepdim=True), [generators[i] for i in sampled])
-        accepted = ok.int().cumprod(1).sum(1)
+        accepted = _leading_true(ok)
         tokens = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, accepted[:, None], nxt[:, None])
         return tokens, accepted
 
@@ -296,3 +296,8 @@ class MtpSpeculator:
     def mean_accepted_length(self) -> float:
         """Tokens per verify step: the accepted drafts plus the bonus token."""
         return 1 + sum(self.accepted) / self.drafted[0] if self.drafted[0] else 0.0
+
+
+def _leading_true(ok: torch.Tensor) -> torch.Tensor:
+    """Per row of a bool [B, k]: how many entries are True before the first False (the drafts accepted)."""
+    return ok.int().cumprod(1).sum(1)
