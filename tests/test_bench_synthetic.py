@@ -70,12 +70,33 @@ def test_synthetic_command_on_gpu(tmp_path):
     if not prof["programmatic_dependent_launch"]:  # kernels one after another: their time fits in the span
         assert prof["kernel_us_per_step"] <= prof["span_us_per_step"]
     assert any("gate_up" in k["name"] for k in prof["by_kernel"]), prof["by_kernel"][:5]  # the grouped experts kernel
-    assert [p["prompt_tokens"] for p in r["prefill"]] == [1024] and r["prefill"][0]["tok_s"] > 0
+    assert [(p["prompt_tokens"], p["moe_prefill"]) for p in r["prefill"]] == [(1024, "loop"), (1024, "grouped")]
+    assert all(p["tok_s"] > 0 for p in r["prefill"])
     loop = r["engine_loop"]  # the engine's own decode loop: async scheduling launches every step after the first ahead
     assert len(loop) == 5 and all(e["tokens"] == 40 for e in loop) and all(e["tok_s"] > 0 for e in loop[:4])
     assert [e["steps_launched_ahead"] for e in loop[:4]] == [0, 39, 0, 39]
     assert [e["tokens_equal_async_off"] for e in loop[:4]] == [None, True, None, True]
     assert loop[4]["mtp"] == 2 and loop[4]["ms_per_step"] > 0 and loop[4]["modelled_step_ms"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU runs it in the command above")
+def test_prefill_rows_time_each_way_the_int4_experts_prefill(caplog):
+    """The default layout's INT4 routed experts prefill by the loop and by the grouped kernel (interpreter), each
+    timed with its own warm-up; the first tokens agree; the model is left as ROOFLINE_MOE_PREFILL asks (the loop)."""
+    pytest.importorskip("triton")
+    from roofline.bench.synthetic import engine_prefill
+    from roofline.kernels.dispatch import install_fast_path
+    from roofline.model.layers import Experts
+
+    model, _ = build_synthetic_model("tiny", LAYOUT, "cpu", torch.float32)
+    with caplog.at_level("INFO", logger="roofline.kernels"):
+        install_fast_path(model, allow_cpu=True)
+    assert "prefill by a loop over experts (ROOFLINE_MOE_PREFILL=grouped" in caplog.text
+    rows = engine_prefill(model, prompts=(24,), repeats=1, warmup_tokens=17)
+    assert [(p["prompt_tokens"], p["moe_prefill"]) for p in rows] == [(24, "loop"), (24, "grouped")]
+    assert all(p["ms"] > 0 for p in rows) and rows[1]["first_token_as_first_kind"]
+    kinds = [m.prefill for m in model.modules() if isinstance(m, Experts) and "prefill" in vars(m)]  # INT4 ones
+    assert len(kinds) == 4 and set(kinds) == {"loop"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU runs it in the command above")

@@ -151,12 +151,15 @@ def test_the_weight_order_follows_speculation_unless_forced(monkeypatch):
         block_int4_wanted(speculative=False)
 
 
-def test_int4_moe_prefill_through_the_fast_path_equals_the_reference(tmp_path):
-    """A 20-token prefill (past the grouped experts' 16 rows: the loop over experts) of an INT4 checkpoint with the
-    fast path installed (interpreter): every INT4 weight, routed experts included, dequantised by int4_dequant."""
+@pytest.mark.parametrize("kind", ["loop", "grouped"])
+def test_int4_moe_prefill_through_the_fast_path_equals_the_reference(tmp_path, monkeypatch, kind):
+    """A 20-token prefill (past the decode kernels' 16 expert rows) of an INT4 checkpoint with the fast path installed
+    (interpreter): every INT4 weight dequantised by int4_dequant, and the routed experts either in the loop over
+    experts or, with ROOFLINE_MOE_PREFILL=grouped, in the grouped kernel (int4_moe_prefill)."""
     pytest.importorskip("triton")
     from roofline.checkpoint import load_model
     from roofline.engine.cache import SequenceCache
+    from roofline.kernels import int4_moe_prefill
     from roofline.kernels.dispatch import install_fast_path
     from roofline.model.layers import Experts
     from tiny_checkpoints import INT4_PLAN, reference_model, text_config, write_variant
@@ -168,7 +171,23 @@ def test_int4_moe_prefill_through_the_fast_path_equals_the_reference(tmp_path):
     reference, _ = load_model(tmp_path / "m", "cpu", torch.float32)
     want = reference.logits(reference(ids, [len(ids)], [SequenceCache()]))
     fast, _ = load_model(tmp_path / "m", "cpu", torch.float32)
-    assert install_fast_path(fast, allow_cpu=True).installed["int4 experts"]
+    monkeypatch.setenv("ROOFLINE_MOE_PREFILL", kind)
+    installed = install_fast_path(fast, allow_cpu=True).installed
+    assert installed["int4 experts"]
+    assert bool(installed["int4 experts prefill in two grouped launches a layer (ROOFLINE_MOE_PREFILL=grouped, "
+                          "experiment)"]) == (kind == "grouped")
     experts = next(m for m in fast.modules() if isinstance(m, Experts))
-    assert experts.gate_up.forward.func.__name__ == "many_rows_forward"
+    assert experts.gate_up.forward.func.__name__ == "many_rows_forward" and experts.prefill == kind
+    calls, original = [], int4_moe_prefill.expert_blocks
+    monkeypatch.setattr(int4_moe_prefill, "expert_blocks", lambda *a: calls.append(1) or original(*a))
     torch.testing.assert_close(fast.logits(fast(ids, [len(ids)], [SequenceCache()])), want, rtol=1e-4, atol=1e-4)
+    layers = sum(1 for m in fast.model.modules() if isinstance(m, Experts))
+    assert layers and len(calls) == (layers if kind == "grouped" else 0), "once per MoE layer, or not at all"
+
+
+def test_an_unknown_moe_prefill_kind_is_refused_by_name(monkeypatch):
+    from roofline.kernels.dispatch import moe_prefill_wanted
+
+    monkeypatch.setenv("ROOFLINE_MOE_PREFILL", "fused")
+    with pytest.raises(UserError, match="ROOFLINE_MOE_PREFILL must be one of loop, grouped, got 'fused'"):
+        moe_prefill_wanted()

@@ -43,7 +43,7 @@ from ..engine.engine import Engine
 from ..engine.graphs import DecodeGraphs
 from ..engine.sampling import SamplingParams
 from ..engine.speculative import SpeculativeConfig
-from ..kernels.dispatch import install_fast_path, install_weight_kernel
+from ..kernels.dispatch import MOE_PREFILL_KINDS, install_fast_path, install_weight_kernel, moe_prefill_wanted, set_moe_prefill
 from ..model.layers import SlotBatch
 from ..quant.base import LinearWeight
 from .ceiling import TokenBytes, token_bytes
@@ -306,22 +306,31 @@ def engine_loop(model, tokens: int = 256, warmup: int = 16, prompt_tokens: int =
 def engine_prefill(model, prompts=(4096,), repeats: int = 2, warmup_tokens: int = 512) -> list[dict]:
     """Prompt processing through `Engine.step` (llama-bench's "pp"): per prompt length, the median time of the
     step that prefills a fresh sequence and samples its first token (time to first token, no queueing), after
-    one `warmup_tokens` prompt that compiles the prefill kernels."""
+    one `warmup_tokens` prompt that compiles the prefill kernels. A model with INT4 routed experts is timed with
+    each way its experts prefill (`MOE_PREFILL_KINDS`: the loop over experts, the grouped kernel); each row says
+    which, and whether its first token is the loop's."""
     vocab = model.config.vocab_size
     engine = _one_sequence_engine(model, max(*prompts, warmup_tokens) + 2)
+    kinds = [k for k in MOE_PREFILL_KINDS if set_moe_prefill(model, k)] or [None]
     rows = []
-    for index, n in enumerate((warmup_tokens, *prompts)):
-        ids = [(7919 * i + 13) % vocab for i in range(n)]  # varied ids, the same every run
-        times = []
-        for _ in range(repeats if index else 1):
-            engine.add(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-            start = time.perf_counter()
-            while engine.sequences:
-                engine.step()  # one step: the prefill and its first token, read back
-            times.append((time.perf_counter() - start) * 1e3)
-        if index:
-            ms = statistics.median(times)
-            rows.append({"prompt_tokens": n, "ms": ms, "tok_s": n / ms * 1e3})
+    for kind in kinds:
+        if kind:
+            set_moe_prefill(model, kind)
+        for index, n in enumerate((warmup_tokens, *prompts)):
+            ids = [(7919 * i + 13) % vocab for i in range(n)]  # varied ids, the same every run
+            times = []
+            for _ in range(repeats if index else 1):
+                seq = engine.add(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+                start = time.perf_counter()
+                while engine.sequences:
+                    engine.step()  # one step: the prefill and its first token, read back
+                times.append((time.perf_counter() - start) * 1e3)
+            if index:
+                ms = statistics.median(times)
+                first = next((r["first_token"] for r in rows if r["prompt_tokens"] == n), seq.output_ids[0])
+                rows.append({"prompt_tokens": n, "moe_prefill": kind, "ms": ms, "tok_s": n / ms * 1e3,
+                             "first_token": seq.output_ids[0], "first_token_as_first_kind": seq.output_ids[0] == first})
+    set_moe_prefill(model, moe_prefill_wanted())
     return rows
 
 
@@ -410,8 +419,8 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                          "modelled_small_vocab": modelled_mtp(verify[1], verify_k, small, acceptance)}
     if prefill:
         result["prefill"] = engine_prefill(model, prefill)
-        progress("prefill: " + ", ".join(f"{r['prompt_tokens']} tokens {r['ms']:.0f} ms ({r['tok_s']:.0f} tok/s)"
-                                         for r in result["prefill"]))
+        progress("prefill: " + ", ".join(f"{r['prompt_tokens']} tokens{' (experts: %s)' % r['moe_prefill'] if r['moe_prefill'] else ''} "
+                                         f"{r['ms']:.0f} ms ({r['tok_s']:.0f} tok/s)" for r in result["prefill"]))
     if engine_tokens:
         result["engine_loop"] = engine_loop(model, engine_tokens)
         for row in result["engine_loop"]:
@@ -461,8 +470,10 @@ def format_report(r: dict) -> str:
         lines += [f"| {k['name']} | {k['launches']:.0f} | {k['us']:.1f} |" for k in kp["by_kernel"][:25]]
     if r.get("prefill"):
         lines += ["", "Prefill through Engine.step (a fresh sequence's prompt and its first token):",
-                  "| prompt tokens | ms (time to first token) | tok/s |", "|---|---|---|"]
-        lines += [f"| {p['prompt_tokens']} | {p['ms']:.1f} | {p['tok_s']:.0f} |" for p in r["prefill"]]
+                  "| prompt tokens | routed experts | ms (time to first token) | tok/s | first token as the first row's |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {p['prompt_tokens']} | {p['moe_prefill'] or '-'} | {p['ms']:.1f} | {p['tok_s']:.0f} | "
+                  f"{'yes' if p['first_token_as_first_kind'] else 'NO'} |" for p in r["prefill"]]
     if r.get("engine_loop"):
         lines += ["", "Engine decode loop (Engine.step, one sequence, context ~0; the step above reads its token before "
                       "the next launch):", "| sampling | async scheduling | tok/s | ms/token | steps launched ahead | "

@@ -99,8 +99,43 @@ def _int8(weight: Int8RowWeight, x: torch.Tensor, expert: int | None = None) -> 
     return LinearWeight.forward(weight, x, expert)
 
 
+# Routed INT4 experts at prefill (more than MAX_EXPERT_TOKENS rows): "loop" runs the reference loop over experts (each
+# expert's weights dequantised in one launch, int4_dequant); "grouped" two grouped GEMM launches a layer
+# (int4_moe_prefill: ~12 launches per expert fewer, 256 x 48 experts a 122B prompt). "grouped" is opt-in until it has
+# run on a GPU (written in session 12 without one). ROOFLINE_MOE_PREFILL=loop|grouped; `set_moe_prefill` per model.
+MOE_PREFILL_ENV = "ROOFLINE_MOE_PREFILL"
+MOE_PREFILL_KINDS = ("loop", "grouped")
+
+
+def moe_prefill_wanted() -> str:
+    kind = os.environ.get(MOE_PREFILL_ENV, "loop")
+    if kind not in MOE_PREFILL_KINDS:
+        raise UserError(f"{MOE_PREFILL_ENV} must be one of {', '.join(MOE_PREFILL_KINDS)}, got {kind!r}")
+    return kind
+
+
+def set_moe_prefill(model: torch.nn.Module, kind: str) -> int:
+    """Make the INT4 routed experts of `model` prefill by `kind` (MOE_PREFILL_KINDS); returns how many took it
+    (experts whose weights the grouped kernel cannot read stay on the loop, and the log says why)."""
+    from .int4_moe_prefill import prefill_supported
+
+    taken = 0
+    for module in model.modules():
+        if isinstance(module, Experts) and isinstance(module.forward, partial) and module.forward.func is _experts:
+            why = prefill_supported(module.gate_up, module.down) if kind == "grouped" else None
+            if why:
+                log.warning("routed experts prefill by the loop over experts, not the grouped kernel: %s", why)
+            module.prefill = "loop" if why else kind
+            taken += not why
+    return taken
+
+
 def _experts(module: Experts, syms: tuple[bool, bool], x, top_experts, top_weights) -> torch.Tensor:
     if x.shape[0] > MAX_EXPERT_TOKENS:
+        if module.prefill == "grouped":
+            from .int4_moe_prefill import grouped_experts
+
+            return grouped_experts(x, top_experts, top_weights, module.gate_up, module.down)
         return Experts.forward(module, x, top_experts, top_weights)
     from .int4_experts import experts_down, experts_gate_up
 
@@ -381,6 +416,13 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
 
         if INT4_DEPTH == 2:
             installed["int4 tc two-buffer loop at one row too (ROOFLINE_INT4_DEPTH=2)"] += 1
+    if installed["int4 experts"]:
+        prefill = moe_prefill_wanted()
+        if set_moe_prefill(model, prefill) and prefill == "grouped":
+            installed["int4 experts prefill in two grouped launches a layer (ROOFLINE_MOE_PREFILL=grouped, experiment)"] += 1
+        elif prefill == "loop":
+            log.info("INT4 routed experts prefill by a loop over experts (ROOFLINE_MOE_PREFILL=grouped: two grouped "
+                     "launches a layer, not yet run on a GPU)")
     if installed["int8 lm_head"]:
         from .int8_lm_head import DOT_ROWS
 
