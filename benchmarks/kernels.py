@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -463,11 +464,74 @@ def bench_attention(b: Bench, quick: bool):
         torch.cuda.empty_cache()
 
 
+def eager_ms(fn, reps: int = 5) -> float:
+    """Median of `reps` timed calls after one warm-up, CUDA events around each (for work that reads the device back
+    or runs for milliseconds: no graph)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def bench_moe_prefill(b: Bench, quick: bool):
+    """The routed experts of one 122B MoE layer at prefill: the grouped kernel (int4_moe_prefill) and the loop over
+    experts (Experts.forward, each expert dequantised by int4_dequant), random uniform routing, blocked order.
+    Compute-bound: reported as TFLOP/s in the note; "bytes" counts each expert's weights once."""
+    from roofline.kernels.dispatch import _block, many_rows_forward
+    from roofline.kernels.int4_moe_prefill import grouped_experts
+    from roofline.model.layers import Experts
+    from roofline.quant import Int4Weight
+
+    e, h, inter, topk = 256, HIDDEN, 1024, 8
+    module = Experts(e, h, inter)
+    for name, (n, k) in (("gate_up", (2 * inter, h)), ("down", (h, inter))):
+        weight = Int4Weight(n, k, e, group_size=128, device="cuda")
+        weight.qweight, weight.qzeros, weight.scales = random_int4(n, k, experts=e)
+        _block(weight)
+        weight.forward = partial(many_rows_forward, weight)
+        setattr(module, name, weight)
+    nbytes = e * (int4_bytes(2 * inter, h) + int4_bytes(h, inter))
+    for tokens in (4096,) if quick else (512, 4096):
+        x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+        experts = torch.rand(tokens, e, device="cuda").topk(topk, dim=-1).indices
+        weights = torch.softmax(torch.randn(tokens, topk, device="cuda"), -1).to(torch.bfloat16)
+        flop = 2 * tokens * topk * 3 * inter * h
+        shape = f"moe prefill E{e} H{h} I{inter} top{topk} T={tokens}"
+
+        def make(cfg, x=x, experts=experts, weights=weights):
+            return lambda: grouped_experts(x, experts, weights, module.gate_up, module.down, config=cfg)
+
+        if b.sweep:
+            for name, cfg in [(f"BM{bm} BN{bn} BK{bk} w{w} st{st}", {"BM": bm, "BN": bn, "BK": bk, "num_warps": w, "num_stages": st})
+                              for bm, bn, bk, w, st in [(64, 128, 64, 4, 3), (32, 128, 64, 4, 3), (128, 128, 64, 8, 3),
+                                                        (64, 64, 128, 4, 3), (64, 128, 128, 8, 2), (128, 64, 64, 4, 4),
+                                                        (64, 256, 64, 8, 3), (16, 128, 128, 4, 3)]]:
+                try:
+                    ms = eager_ms(make(cfg))
+                except Exception as exc:  # a config that does not compile or fit is a result too
+                    b.sweeps.append({"kernel": "moe_prefill", "shape": shape, "config": name, "error": repr(exc)[:300]})
+                    continue
+                b.sweeps.append({"kernel": "moe_prefill", "shape": shape, "config": name, "time_us": round(ms * 1e3, 1),
+                                 "TFLOPs": round(flop / ms / 1e9, 1)})
+                print(f"    sweep moe_prefill {shape} {name:28s} {ms * 1e3:9.1f} us {flop / ms / 1e9:6.1f} TFLOP/s", flush=True)
+        grouped = eager_ms(make(None))
+        loop = eager_ms(lambda: Experts.forward(module, x, experts, weights), reps=2)
+        b.record("moe_prefill", shape, nbytes, grouped * 1e3, baseline=loop * 1e3,
+                 note=f"grouped kernel {flop / grouped / 1e9:.0f} TFLOP/s; baseline: the loop over experts "
+                      f"({flop / loop / 1e9:.0f} TFLOP/s)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--no-sweep", action="store_true", help="default configurations only")
-    ap.add_argument("--only", default="", help="comma list of: int4,experts,fp8,router,int8,gdn,attn")
+    ap.add_argument("--only", default="", help="comma list of: int4,experts,fp8,router,int8,gdn,attn,moe_prefill")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -479,7 +543,7 @@ def main():
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy:.0f} GB/s (read+write) {copy_ways}", flush=True)
     b = Bench(copy, sweep=not args.no_sweep)
     cases = {"int8": bench_int8, "experts": bench_experts, "int4": bench_int4_dense, "gdn": bench_gdn,
-             "attn": bench_attention, "fp8": bench_fp8, "router": bench_router}
+             "attn": bench_attention, "fp8": bench_fp8, "router": bench_router, "moe_prefill": bench_moe_prefill}
     only = [c for c in args.only.split(",") if c] or list(cases)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,8 @@ experts (`Experts.forward`) launches ~12 kernels per expert, 256 x 48 per prompt
 weights dequantised into a temporary first. Here, as vLLM's `fused_moe` does for GPTQ weights:
 
 - the rows are sorted by expert on the device and each expert's rows padded to a multiple of the
-  row block BM (`expert_blocks`: no host read, the grid is sized for the worst case and blocks
-  past the end return at once);
+  row block BM (`expert_blocks`: no host read, so no bincount, which reads its input's maximum
+  back; the grid is sized for the worst case and blocks past the end return at once);
 - one program computes a [BM rows, BN columns] tile of one expert: it loads its rows of x, the
   packed INT4 words of its columns (either qweight order, `quant.int4`), dequantises them in
   registers with the reference's arithmetic ((q - zero) * scale in fp32, rounded to x's dtype)
@@ -106,7 +106,7 @@ def expert_blocks(top_experts: torch.Tensor, num_experts: int, block: int) -> tu
     n = flat.numel()
     device = flat.device
     max_blocks = triton.cdiv(n, block) + min(num_experts, n)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     blocks = (counts + block - 1) // block
     block_end = blocks.cumsum(0)
     start = counts.cumsum(0) - counts  # of each expert's run in the sorted rows
@@ -141,10 +141,11 @@ def prefill_supported(gate_up, down) -> str | None:
     return None
 
 
-def grouped_experts(x: torch.Tensor, top_experts: torch.Tensor, top_weights: torch.Tensor, gate_up, down) -> torch.Tensor:
+def grouped_experts(x: torch.Tensor, top_experts: torch.Tensor, top_weights: torch.Tensor, gate_up, down,
+                    config: dict | None = None) -> torch.Tensor:
     """`Experts.forward(x, top_experts, top_weights)` for INT4 gate_up [E, 2I, H] / down [E, H, I] weights in two
-    grouped launches per `TOKEN_CHUNK` tokens."""
-    cfg = _config()
+    grouped launches per `TOKEN_CHUNK` tokens; `config` (BM, BN, BK, num_warps, num_stages) replaces the default."""
+    cfg = config or _config()
     t, h = x.shape
     k = top_experts.shape[1]
     inter = down.in_features
