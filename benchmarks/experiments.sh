@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The work written without a GPU and waiting for one (benchmarks/NOTES-kernels.md, sessions 11-12), in the order to
+# run it, as phases that each fit one 10-minute device call:
+#   OUT=... bash benchmarks/experiments.sh tests      # GPU tests of the untested parts (~5 min)
+#   OUT=... bash benchmarks/experiments.sh bench      # 122B at context 0: engine loop, prefill loop vs grouped (~4 min)
+#   OUT=... bash benchmarks/experiments.sh kernels    # INT8 dot and grouped-prefill sweeps (~3 min)
+#   OUT=... bash benchmarks/experiments.sh ab         # alternating A/B of the opt-in decode experiments (~8 min)
+# Each step has its own time limit and writes under $OUT, so a failure or a timeout loses only itself. Set
+# ROOFLINE_COMMIT to the commit the tree is (the device copy's git metadata may not say). fla-core is installed
+# from .carry/ as synthetic.sh does.
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+if ls .carry/*/fla_core-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla-site .carry/*/fla_core-*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/fla-site
+fi
+day=$(date -u +%F)
+synthetic() {  # name, time limit, extra flags...: the 122B at context 0, 10 repeats
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --contexts 0 --repeats 10 "$@" \
+    --out "$OUT/$day-synthetic-qwen3.5-122b-a10b-$name.json" 2>&1 | tee "$OUT/synthetic-$name.log" | tail -30
+}
+gpu_tests() {  # time limit, pytest arguments...
+  local limit=$1
+  shift
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
+}
+case "${1:-}" in
+  tests)  # the session-11/12 parts that have run only in the interpreter, then the pooled-decode and fast-path files
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+    gpu_tests 60 -m gpu tests/test_moe_prefill.py tests/test_int4_blocked.py tests/test_int8_lm_head.py
+    gpu_tests 40 tests/test_small_ops.py -k router_gemv_routes  # unmarked tests: no -m gpu
+    gpu_tests 60 -m gpu tests/test_kernels.py -k "ba_dots or one_buffer"
+    gpu_tests 150 -m gpu tests/test_pooled_decode.py tests/test_fast_path.py tests/test_generate_cli.py
+    gpu_tests 150 -m gpu tests/test_bench_synthetic.py
+    ;;
+  bench)  # engine loop rows (async scheduling off / on, MTP-2 against its parts) and prefill by both expert paths
+    synthetic default 330 --prefill 4K --engine-tokens 256
+    ;;
+  kernels)
+    timeout 300 python3 benchmarks/kernels.py --quick --only int8,moe_prefill 2>&1 | tail -40
+    ;;
+  ab)  # each opt-in experiment against the default, alternating so drift shows: B A B A
+    for round in a b; do
+      ROOFLINE_GDN_BA_IN_KERNEL=1 synthetic "ba-in-kernel-$round" 110 --prefill 0 --engine-tokens 0
+      synthetic "default-$round" 110 --prefill 0 --engine-tokens 0
+    done
+    ROOFLINE_INT8_DOT=1 synthetic int8-dot 110 --prefill 0 --engine-tokens 0
+    ;;
+  *)
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh tests|bench|kernels|ab" >&2
+    exit 2
+    ;;
+esac
