@@ -2,7 +2,7 @@
 # The work written without a GPU and waiting for one (benchmarks/NOTES-kernels.md, sessions 11-12), in the order to
 # run it, as phases that each fit one 10-minute device call:
 #   OUT=... bash benchmarks/experiments.sh tests      # GPU tests of the untested parts (~5 min)
-#   OUT=... bash benchmarks/experiments.sh bench      # 122B at context 0: engine loop, prefill loop vs grouped (~4 min)
+#   OUT=... bash benchmarks/experiments.sh bench      # 122B at context 0: engine loop, prefill 4K/32K loop vs grouped (~5 min)
 #   OUT=... bash benchmarks/experiments.sh kernels    # INT8 dot and grouped-prefill sweeps (~3 min)
 #   OUT=... bash benchmarks/experiments.sh ab         # alternating A/B of the opt-in decode experiments (~8 min)
 # Each step has its own time limit and writes under $OUT, so a failure or a timeout loses only itself. Set
@@ -36,8 +36,9 @@ case "${1:-}" in
     gpu_tests 150 -m gpu tests/test_pooled_decode.py tests/test_fast_path.py tests/test_generate_cli.py
     gpu_tests 150 -m gpu tests/test_bench_synthetic.py
     ;;
-  bench)  # engine loop rows (async scheduling off / on, MTP-2 against its parts) and prefill by both expert paths
-    synthetic default 330 --prefill 4K --engine-tokens 256
+  bench)  # engine loop rows (async scheduling off / on, MTP-2 against its parts) and prefill by both expert paths,
+    # 32K in four chunks of 8K (time to first token and the prefill's peak memory)
+    synthetic default 420 --prefill 4K,32K --engine-tokens 256
     ;;
   kernels)
     timeout 300 python3 benchmarks/kernels.py --quick --only int8,moe_prefill 2>&1 | tail -40

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ def test_prefill_rows_time_each_way_the_int4_experts_prefill(caplog):
     """The default layout's INT4 routed experts prefill by the loop and by the grouped kernel (interpreter), each
     timed with its own warm-up; the first tokens agree; the model is left as ROOFLINE_MOE_PREFILL asks (the loop)."""
     pytest.importorskip("triton")
-    from roofline.bench.synthetic import engine_prefill
+    from roofline.bench.synthetic import engine_prefill, format_report
     from roofline.kernels.dispatch import install_fast_path
     from roofline.model.layers import Experts
 
@@ -97,6 +98,11 @@ def test_prefill_rows_time_each_way_the_int4_experts_prefill(caplog):
     assert all(p["ms"] > 0 for p in rows) and rows[1]["first_token_as_first_kind"]
     kinds = [m.prefill for m in model.modules() if isinstance(m, Experts) and "prefill" in vars(m)]  # INT4 ones
     assert len(kinds) == 4 and set(kinds) == {"loop"}
+    assert all(p["max_num_batched_tokens"] == 8192 and p["peak_memory_bytes"] is None for p in rows)  # no CUDA here
+    # the report's prefill table, on a recorded H200 result with these rows added
+    recorded = Path(__file__).parents[1] / "benchmarks/results/2026-12-04-synthetic-qwen3.5-122b-a10b-h200-run16.json"
+    report = format_report({**json.loads(recorded.read_text()), "prefill": rows})
+    assert "| 24 | loop |" in report and "| 24 | grouped |" in report and "| yes | - |" in report
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU runs it in the command above")

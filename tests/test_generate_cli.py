@@ -70,13 +70,14 @@ def test_generate_runs_in_bfloat16_on_cuda(tmp_path):
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_engine_flags_reach_the_engine(command):
-    """--enforce-eager, --no-int8-lm-head and --no-async-scheduling become Engine.from_pretrained's keywords."""
+    """--enforce-eager, --no-int8-lm-head, --no-async-scheduling and --max-num-batched-tokens become
+    Engine.from_pretrained's keywords."""
     from roofline.cli import build_parser
     from roofline.commands.flags import engine_options
 
     extra = ["--prompt-ids", "1"] if command == "generate" else []
     defaults = engine_options(build_parser().parse_args([command, *extra]))
-    assert defaults == {"int8_lm_head": None, "cuda_graphs": None, "async_scheduling": True}
+    assert defaults == {"int8_lm_head": None, "cuda_graphs": None, "async_scheduling": True, "max_num_batched_tokens": 8192}
     off = engine_options(build_parser().parse_args(
-        [command, *extra, "--enforce-eager", "--no-int8-lm-head", "--no-async-scheduling"]))
-    assert off == {"int8_lm_head": False, "cuda_graphs": False, "async_scheduling": False}
+        [command, *extra, "--enforce-eager", "--no-int8-lm-head", "--no-async-scheduling", "--max-num-batched-tokens", "512"]))
+    assert off == {"int8_lm_head": False, "cuda_graphs": False, "async_scheduling": False, "max_num_batched_tokens": 512}

@@ -406,6 +406,30 @@ def test_memory_bounded_admission_queues_then_refuses(tmp_path_factory):
         srv.stop()
 
 
+def test_chunked_prefill_answers_as_whole_prompt_prefill(client, tmp_path_factory):
+    """A server prefilling 4 prompt tokens a step answers a temperature-0 request (and two at once) as the main
+    server, which prefills each prompt in one step."""
+    kwargs = dict(messages=USER, max_tokens=10, temperature=0)
+    want = client.chat.completions.create(model="tiny", **kwargs).choices[0].message
+    srv = ServerProcess([*model_args(tmp_path_factory), "--served-model-name", "m", "--max-model-len", str(MAX_MODEL_LEN),
+                         "--max-num-batched-tokens", "4"])
+    try:
+        chunked = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        answers = []
+        threads = [threading.Thread(target=lambda: answers.append(chunked.chat.completions.create(model="m", **kwargs)))
+                   for _ in range(2)]  # two prompts share each step's 4 tokens
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert len(answers) == 2 and answers[0].usage.prompt_tokens > 8
+        for out in answers:
+            got = out.choices[0].message
+            assert (got.content, reasoning_of(got)) == (want.content, reasoning_of(want))
+    finally:
+        srv.stop()
+
+
 def test_cli_errors_are_one_line(tmp_path_factory):
     def serve(*args):
         return subprocess.run([sys.executable, "-m", "roofline.cli", "serve", *args], capture_output=True, text=True, timeout=120)

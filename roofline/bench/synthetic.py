@@ -308,10 +308,12 @@ def engine_prefill(model, prompts=(4096,), repeats: int = 2, warmup_tokens: int 
     step that prefills a fresh sequence and samples its first token (time to first token, no queueing), after
     one `warmup_tokens` prompt that compiles the prefill kernels. A model with INT4 routed experts is timed with
     each way its experts prefill (`MOE_PREFILL_KINDS`: the loop over experts, the grouped kernel); each row says
-    which, and whether its first token is the loop's."""
+    which, and whether its first token is the loop's. Prompts prefill in chunks of the engine's default
+    max_num_batched_tokens; on CUDA each row has the peak memory of its prefills (the caller's peak is kept)."""
     vocab = model.config.vocab_size
     engine = _one_sequence_engine(model, max(*prompts, warmup_tokens) + 2)
     kinds = [k for k in MOE_PREFILL_KINDS if set_moe_prefill(model, k)] or [None]
+    cuda = model.device.type == "cuda"
     rows = []
     for kind in kinds:
         if kind:
@@ -319,6 +321,8 @@ def engine_prefill(model, prompts=(4096,), repeats: int = 2, warmup_tokens: int 
         for index, n in enumerate((warmup_tokens, *prompts)):
             ids = [(7919 * i + 13) % vocab for i in range(n)]  # varied ids, the same every run
             times = []
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             for _ in range(repeats if index else 1):
                 seq = engine.add(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
                 start = time.perf_counter()
@@ -329,7 +333,9 @@ def engine_prefill(model, prompts=(4096,), repeats: int = 2, warmup_tokens: int 
                 ms = statistics.median(times)
                 first = next((r["first_token"] for r in rows if r["prompt_tokens"] == n), seq.output_ids[0])
                 rows.append({"prompt_tokens": n, "moe_prefill": kind, "ms": ms, "tok_s": n / ms * 1e3,
-                             "first_token": seq.output_ids[0], "first_token_as_first_kind": seq.output_ids[0] == first})
+                             "first_token": seq.output_ids[0], "first_token_as_first_kind": seq.output_ids[0] == first,
+                             "max_num_batched_tokens": engine.max_num_batched_tokens,
+                             "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None})
     set_moe_prefill(model, moe_prefill_wanted())
     return rows
 
@@ -417,8 +423,10 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                          "modelled": modelled_mtp(verify[1], verify_k, draft, acceptance),
                          "draft_vocab": DRAFT_VOCAB, "draft_step_ms_small_vocab": small,
                          "modelled_small_vocab": modelled_mtp(verify[1], verify_k, small, acceptance)}
+    peak_before_prefill = torch.cuda.max_memory_allocated()
     if prefill:
         result["prefill"] = engine_prefill(model, prefill)
+        torch.cuda.reset_peak_memory_stats()  # peak_memory_bytes stays the decode path's: prefill rows have their own
         progress("prefill: " + ", ".join(f"{r['prompt_tokens']} tokens{' (experts: %s)' % r['moe_prefill'] if r['moe_prefill'] else ''} "
                                          f"{r['ms']:.0f} ms ({r['tok_s']:.0f} tok/s)" for r in result["prefill"]))
     if engine_tokens:
@@ -429,9 +437,13 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                 row["modelled_step_ms"] = result["mtp"]["verify_step_ms"][k] + k * result["mtp"]["draft_step_ms"]
         progress("engine loop: " + ", ".join(f"{r['sampling']} async {'on' if r['async_scheduling'] else 'off'} "
                                              f"{r['tok_s']:.1f} tok/s" for r in result["engine_loop"] if "mtp" not in r))
-    result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+    result["peak_memory_bytes"] = max(peak_before_prefill, torch.cuda.max_memory_allocated())
     result["pool_bytes"] = pool.nbytes + (mtp_pool.nbytes if mtp_pool else 0)
     return result
+
+
+def _gib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**30:.1f}"
 
 
 def format_report(r: dict) -> str:
@@ -470,10 +482,11 @@ def format_report(r: dict) -> str:
         lines += [f"| {k['name']} | {k['launches']:.0f} | {k['us']:.1f} |" for k in kp["by_kernel"][:25]]
     if r.get("prefill"):
         lines += ["", "Prefill through Engine.step (a fresh sequence's prompt and its first token):",
-                  "| prompt tokens | routed experts | ms (time to first token) | tok/s | first token as the first row's |",
-                  "|---|---|---|---|---|"]
+                  "| prompt tokens | routed experts | ms (time to first token) | tok/s | first token as the first row's | "
+                  "peak GiB |", "|---|---|---|---|---|---|"]
         lines += [f"| {p['prompt_tokens']} | {p['moe_prefill'] or '-'} | {p['ms']:.1f} | {p['tok_s']:.0f} | "
-                  f"{'yes' if p['first_token_as_first_kind'] else 'NO'} |" for p in r["prefill"]]
+                  f"{'yes' if p['first_token_as_first_kind'] else 'NO'} | {_gib(p['peak_memory_bytes'])} |"
+                  for p in r["prefill"]]
     if r.get("engine_loop"):
         lines += ["", "Engine decode loop (Engine.step, one sequence, context ~0; the step above reads its token before "
                       "the next launch):", "| sampling | async scheduling | tok/s | ms/token | steps launched ahead | "

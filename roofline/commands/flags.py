@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..engine.engine import DEFAULT_BATCHED_TOKENS
 from ..engine.speculative import MAX_DRAFT_TOKENS, MTP_METHODS, SpeculativeConfig
 from ..errors import UserError
 
@@ -44,12 +45,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each decode step's tokens before launching the next (default: the next step is launched "
                         "from the sampled tokens on the device while the host reads them)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_BATCHED_TOKENS, metavar="N",
+                   help=f"prompt tokens prefilled per step at most, across sequences (default {DEFAULT_BATCHED_TOKENS}): "
+                        "longer prompts are prefilled in chunks over several steps, which bounds prefill memory; "
+                        "decode tokens come on top")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """Engine.from_pretrained keywords from add_engine_args' flags; None lets the engine decide by device."""
     return {"int8_lm_head": False if args.no_int8_lm_head else None, "cuda_graphs": False if args.enforce_eager else None,
-            "async_scheduling": not args.no_async_scheduling}
+            "async_scheduling": not args.no_async_scheduling, "max_num_batched_tokens": args.max_num_batched_tokens}
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:

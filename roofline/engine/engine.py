@@ -1,8 +1,15 @@
 """The engine API used by the CLI and the server: sequences in, tokens and text out.
 
-Every `step()` runs one forward over all active sequences (new ones with their whole prompt,
-running ones with their last token), samples one token per sequence, and reports what each
-sequence produced. Admission control and HTTP live in the server; this owns model state.
+Every `step()` runs one forward over all active sequences (new ones with their prompt, running
+ones with their last token), samples one token per sequence, and reports what each sequence
+produced. Admission control and HTTP live in the server; this owns model state.
+
+Chunked prefill: a step takes at most `max_num_batched_tokens` prompt tokens (default 8192; vLLM's
+flag of that name also counts decode tokens, which come on top here). A longer prompt, or several prompts
+arriving together, are prefilled over several steps while running sequences keep decoding in the
+same steps, and a sequence samples its first token in the step that completes its prompt. The step's
+activations are bounded by the chunk, not the prompt: whole, a 256K-token prompt on the 122B
+would make a single [256K, 20480] projection output of 10.7 GB.
 
 Async scheduling (pooled decode, on by default): before the host reads a step's tokens, the
 engine launches the next decode step with those tokens as its input straight from the device,
@@ -35,7 +42,14 @@ from .speculative import MAX_DRAFT_TOKENS, DraftState, MtpSpeculator, Speculativ
 from .stops import StopStringMatcher
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
+DEFAULT_BATCHED_TOKENS = 8192  # prompt tokens per step (chunked prefill)
+
 log = logging.getLogger("roofline.engine")
+
+
+def _check_batched_tokens(n: int | None) -> None:
+    if n is not None and n < 1:
+        raise UserError(f"--max-num-batched-tokens must be at least 1, got {n}")
 
 
 class PromptTooLong(ValueError):
@@ -69,9 +83,15 @@ class Sequence:
     draft: DraftState | None = None  # MTP head state when speculative decoding is on
 
     @property
+    def prefilling(self) -> bool:
+        """Part of the prompt is not in the cache yet."""
+        return self.cache.num_tokens < len(self.prompt_ids)
+
+    @property
     def pending_ids(self) -> list[int]:
-        """Tokens the model has not seen yet: the prompt at first, then the last sampled token."""
-        return self.prompt_ids if self.cache.num_tokens == 0 else self.output_ids[-1:]
+        """Tokens the model has not seen yet: the rest of the prompt, then the last sampled token."""
+        seen = self.cache.num_tokens
+        return self.prompt_ids[seen:] if seen < len(self.prompt_ids) else self.output_ids[-1:]
 
 
 class LaunchedStep:
@@ -113,8 +133,11 @@ class Engine:
         pooled_decode: bool = False,
         max_num_seqs: int = 8,
         async_scheduling: bool = True,
+        max_num_batched_tokens: int | None = DEFAULT_BATCHED_TOKENS,
     ):
+        _check_batched_tokens(max_num_batched_tokens)
         self.model, self.tokenizer, self.model_dir = model, tokenizer, model_dir
+        self.max_num_batched_tokens = max_num_batched_tokens  # prompt tokens per step; None: whole prompts
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else model.config.eos_token_id)
         self.max_model_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.sampler = Sampler()
@@ -146,10 +169,12 @@ class Engine:
         cuda_graphs: bool | None = None,
         max_num_seqs: int = 8,
         async_scheduling: bool = True,
+        max_num_batched_tokens: int | None = DEFAULT_BATCHED_TOKENS,
     ) -> "Engine":
         """`cuda_graphs`: decode through preallocated caches and captured CUDA graphs (default: on CUDA when
         the fast path can capture the step). On a CPU with TRITON_INTERPRET=1 (tests) it runs the same pooled
         step eagerly through the kernels' interpreter."""
+        _check_batched_tokens(max_num_batched_tokens)  # before the minutes a large model takes to load
         model_dir = resolve_model(model)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
@@ -177,7 +202,7 @@ class Engine:
             log.warning("%s has no tokenizer.json: token ids in and out only, no text", model_dir)
             tokenizer = None
         return cls(net, tokenizer, model_dir, max_model_len, speculative, pooled_decode=pooled, max_num_seqs=max_num_seqs,
-                   async_scheduling=async_scheduling)
+                   async_scheduling=async_scheduling, max_num_batched_tokens=max_num_batched_tokens)
 
     def ensure_pools(self) -> None:
         """Allocate the pooled-decode caches (once) for `max_num_seqs` sequences."""
@@ -281,7 +306,8 @@ class Engine:
 
     def _can_speculate(self, seq: Sequence) -> bool:
         room = self.max_model_len - len(seq.prompt_ids) - len(seq.output_ids)
-        return seq.draft is not None and bool(seq.draft.pending_tokens) and room > self.speculator.k_max
+        return (seq.draft is not None and not seq.prefilling and bool(seq.draft.pending_tokens)
+                and room > self.speculator.k_max)
 
     def _forward(self, active: list[Sequence], pending: list[list[int]] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's pending tokens (host lists, or one device token each) through the model: (hidden [N, H]
@@ -299,26 +325,53 @@ class Engine:
         hidden = self.model(ids, [len(p) for p in pending], [s.cache for s in active])
         return hidden, self.model.logits(hidden[torch.tensor(ends, device=self.device) - 1])
 
-    def _launch(self, active: list[Sequence], device_ids: torch.Tensor | None = None) -> LaunchedStep:
-        """Forward each sequence's pending tokens (or, from a step launched ahead, `device_ids`: one token each)
-        and sample on the device; nothing is read back here."""
-        pending = None if device_ids is not None else [s.pending_ids for s in active]
+    def _step_tokens(self, active: list[Sequence]) -> list[list[int]]:
+        """Each sequence's tokens this step: its last token, or as much of the rest of its prompt as the step's
+        `max_num_batched_tokens` leaves, in order of arrival ([] when nothing is left: it waits a step)."""
+        budget = self.max_num_batched_tokens
+        tokens = []
+        for seq in active:
+            pending = seq.pending_ids
+            if seq.prefilling and budget is not None:
+                pending = pending[:budget]
+                budget -= len(pending)
+            tokens.append(pending)
+        return tokens
+
+    def _launch(self, active: list[Sequence], pending: list[list[int]] | None = None,
+                device_ids: torch.Tensor | None = None) -> LaunchedStep | None:
+        """Forward each sequence's `pending` tokens (or, from a step launched ahead, `device_ids`: one token each)
+        and sample on the device for the sequences whose prompt is complete after it (None when there are none);
+        nothing is read back here."""
+        finishing = ([True] * len(active) if pending is None
+                     else [len(p) == len(s.pending_ids) for s, p in zip(active, pending)])
+        starts = [s.cache.num_tokens for s in active]
         hidden, logits = self._forward(active, device_ids if device_ids is not None else pending)
-        params = [s.params for s in active]
-        sample = self.sampler.sample(
-            logits,
-            params,
-            [s.prompt_ids + s.output_ids for s in active] if any(p.penalised for p in params) else None,
-            [len(s.prompt_ids) for s in active],
-            [s.generator for s in active],
-        )
-        draft_rows: list[torch.Tensor | None] = [None] * len(active)
+        rows: dict[int, torch.Tensor] = {}
         if pending is not None and any(s.draft is not None for s in active):
             ends = list(itertools.accumulate(len(p) for p in pending))
             for i, seq in enumerate(active):  # the MTP head will see these positions before its next draft
                 if seq.draft is not None:
-                    draft_rows[i] = hidden[ends[i] - len(pending[i]) : ends[i]].clone()  # a graph's output buffer is reused
-        return LaunchedStep(active, sample, pending, draft_rows)
+                    rows[i] = hidden[ends[i] - len(pending[i]) : ends[i]].clone()  # a graph's output buffer is reused
+                if seq.draft is not None and not finishing[i]:  # a prompt chunk: the token after it is the prompt's
+                    self.speculator.extend(seq.draft, rows[i], pending[i], seq.prompt_ids[starts[i] + len(pending[i])])
+                    self.speculator.catch_up([seq.draft])
+        done = [i for i, f in enumerate(finishing) if f]
+        if not done:
+            return None
+        sampling = [active[i] for i in done]
+        if len(done) < len(active):
+            logits = logits[torch.tensor(done, device=logits.device)]
+        params = [s.params for s in sampling]
+        sample = self.sampler.sample(
+            logits,
+            params,
+            [s.prompt_ids + s.output_ids for s in sampling] if any(p.penalised for p in params) else None,
+            [len(s.prompt_ids) for s in sampling],
+            [s.generator for s in sampling],
+        )
+        return LaunchedStep(sampling, sample, None if pending is None else [pending[i] for i in done],
+                            [rows.get(i) for i in done])
 
     def _emit(self, launched: LaunchedStep) -> list[tuple[Sequence, TokenEvent]]:
         """Read a launched step's tokens into its sequences. A sequence that finished or was cancelled after the
@@ -333,12 +386,16 @@ class Engine:
         return self._retire(events)
 
     def _plain_step(self, active: list[Sequence]) -> list[tuple[Sequence, TokenEvent]]:
-        decoding = [s for s in active if len(s.pending_ids) == 1 and s.cache.num_tokens]
+        decoding = [s for s in active if not s.prefilling]
         if self.graphs and decoding and len(decoding) < len(active):  # prefills run eagerly, decodes in the graph
             prefilling = [s for s in active if s not in decoding]
             return self._plain_step(decoding) + self._plain_step(prefilling)
-        launched = self._launch(active)
-        if self.graphs and len(active) == len(self.sequences):
+        tokens = self._step_tokens(active)
+        running = [s for s, t in zip(active, tokens) if t]
+        launched = self._launch(running, [t for t in tokens if t]) if running else None
+        if launched is None:
+            return []
+        if self.graphs and len(running) == len(self.sequences) and not any(s.prefilling for s in running):
             self._in_flight = self._launch_ahead(launched)
         return self._emit(launched)
 
@@ -371,7 +428,7 @@ class Engine:
         if len(rows) < len(launched.sequences):
             ids = ids[torch.tensor(rows, device=ids.device)]
         self.steps_launched_ahead += 1
-        return self._launch(following, ids)
+        return self._launch(following, device_ids=ids)
 
     def _at_length_limit(self, seq: Sequence, outputs: int) -> bool:
         """Whether `seq` stops by length once it holds `outputs` generated tokens."""

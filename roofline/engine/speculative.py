@@ -145,6 +145,15 @@ class MtpSpeculator:
             state.pending_hidden = torch.cat([state.pending_hidden, hidden])
             state.pending_tokens = state.pending_tokens + tokens
 
+    def catch_up(self, states: list[DraftState]) -> None:
+        """Run the head over the pending pairs now, advancing its caches: after each chunk of a long prompt, so a
+        prompt's hidden states do not pile up until the first draft (then one head forward over all of it)."""
+        states = [s for s in states if s.pending_tokens]
+        if states:
+            self._head([s.pending_tokens for s in states], [s.pending_hidden for s in states], [s.cache for s in states])
+            for state in states:
+                state.pending_hidden, state.pending_tokens = None, []
+
     def begin_step(self) -> None:
         if self.chooser:
             self.k = self.chooser.next_k(self.acceptance_rates())

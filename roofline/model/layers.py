@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from ..config import ModelConfig
 from ..engine.cache import CachePool, SequenceCache
@@ -133,17 +134,17 @@ class GatedAttention(nn.Module):
         out = torch.empty_like(q)
         for span, cache in batch.spans():
             keys, values = cache.append_kv(self.layer_idx, k[span], v[span])
-            out[span] = self.attend(q[span], keys, values, batch.positions[span])
+            out[span] = self.attend(q[span], keys, values)
         out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(out)
 
-    def attend(self, q, keys, values, q_positions):
-        """Causal GQA attention of q [t, H, d] over cached keys/values [T, Hkv, d] (key j at position j)."""
-        key_positions = torch.arange(keys.shape[0], device=q.device)
-        mask = key_positions[None, :] <= q_positions[:, None]  # [t, T]
+    def attend(self, q, keys, values):
+        """Causal GQA attention of the t newest positions q [t, H, d] over cached keys/values [T, Hkv, d] (key j at
+        position j; q row i at position T - t + i). The lower-right causal bias lets SDPA take its flash /
+        memory-efficient kernels on CUDA instead of reading a [t, T] mask (16 GB for a 128K-token prompt)."""
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True,
+            attn_mask=causal_lower_right(q.shape[0], keys.shape[0]), scale=self.head_dim**-0.5, enable_gqa=True,
         )
         return out.transpose(0, 1)
 
