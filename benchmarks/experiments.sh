@@ -30,7 +30,8 @@ gpu_tests() {  # time limit, pytest arguments...
 case "${1:-}" in
   tests)  # the session-11/12 parts that have run only in the interpreter, then the pooled-decode and fast-path files
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-    gpu_tests 60 -m gpu tests/test_moe_prefill.py tests/test_int4_blocked.py tests/test_int8_lm_head.py
+    gpu_tests 90 -m gpu tests/test_moe_prefill.py tests/test_int4_blocked.py tests/test_int8_lm_head.py \
+      tests/test_chunked_prefill.py tests/test_sampling.py
     gpu_tests 40 tests/test_small_ops.py -k router_gemv_routes  # unmarked tests: no -m gpu
     gpu_tests 60 -m gpu tests/test_kernels.py -k "ba_dots or one_buffer"
     gpu_tests 150 -m gpu tests/test_pooled_decode.py tests/test_fast_path.py tests/test_generate_cli.py

@@ -208,3 +208,35 @@ def test_generation_config_greedy_and_missing(tmp_path):
     assert SamplingParams.from_generation_config(tmp_path) == SamplingParams()
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams.from_generation_config({"top_p": 0})
+
+
+def test_a_batch_of_sampled_rows_draws_as_each_row_alone():
+    """Every row sampled (no row gather) or mixed with a greedy row: each seeded row draws what it draws alone."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=0.7, top_k=10, seed=s) for s in (1, 2, 3)]
+    together = sample(logits, params, [make_generator(p.seed) for p in params]).token_ids.tolist()
+    alone = [sample(logits[i : i + 1], [p], [make_generator(p.seed)]).token_ids.item() for i, p in enumerate(params)]
+    mixed = [SamplingParams(temperature=0.0), *params[1:]]
+    assert together == alone
+    assert sample(logits, mixed, [None, *(make_generator(p.seed) for p in params[1:])]).token_ids.tolist()[1:] == alone[1:]
+
+
+@pytest.mark.gpu
+def test_sampling_does_not_drain_the_device_queue_gpu():
+    """The step launched ahead samples on the device: no host-to-device copy of row indices or per-row parameters
+    may wait for the stream (PyTorch's sync debug mode raises on any synchronising call)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    logits = torch.randn(3, 248320, device="cuda")
+    params = [SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=1, logprobs=2),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, min_p=0.05, seed=2)]
+    generators = [make_generator(p.seed, "cuda") if not p.greedy else None for p in params]
+    sampler.sample(logits, params, None, [0] * 3, generators)  # warm-up: the pinned host allocator's first blocks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sampler.sample(logits, params, None, [0] * 3, generators)
+        sampler.sample(logits[:1], params[:1], None, [0], generators[:1])  # one sampled stream: no row gather
+        sampler.probabilities(logits, params, None, [0] * 3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -37,7 +37,7 @@ from ..quant.int8 import quantize_lm_head_int8
 from ..model import Qwen35ForCausalLM
 from .cache import CachePool, SequenceCache, SlotCache
 from .graphs import DecodeGraphs
-from .sampling import SampleResult, Sampler, SamplingParams, TopLogprobs, make_generator
+from .sampling import SampleResult, Sampler, SamplingParams, TopLogprobs, device_tensor, make_generator
 from .speculative import MAX_DRAFT_TOKENS, DraftState, MtpSpeculator, SpeculativeConfig
 from .stops import StopStringMatcher
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -321,9 +321,9 @@ class Engine:
                 self.graphs.keep(buf, i, cache, 1, 1)
             return buf.hidden[: len(active)], buf.logits[: len(active)]
         ends = list(itertools.accumulate(len(p) for p in pending))
-        ids = torch.tensor([t for p in pending for t in p], device=self.device)
+        ids = device_tensor([t for p in pending for t in p], self.device)
         hidden = self.model(ids, [len(p) for p in pending], [s.cache for s in active])
-        return hidden, self.model.logits(hidden[torch.tensor(ends, device=self.device) - 1])
+        return hidden, self.model.logits(hidden[device_tensor(ends, self.device) - 1])
 
     def _step_tokens(self, active: list[Sequence]) -> list[list[int]]:
         """Each sequence's tokens this step: its last token, or as much of the rest of its prompt as the step's
@@ -361,7 +361,7 @@ class Engine:
             return None
         sampling = [active[i] for i in done]
         if len(done) < len(active):
-            logits = logits[torch.tensor(done, device=logits.device)]
+            logits = logits[device_tensor(done, logits.device)]
         params = [s.params for s in sampling]
         sample = self.sampler.sample(
             logits,
@@ -426,7 +426,7 @@ class Engine:
             return None
         ids = launched.token_ids
         if len(rows) < len(launched.sequences):
-            ids = ids[torch.tensor(rows, device=ids.device)]
+            ids = ids[device_tensor(rows, ids.device)]
         self.steps_launched_ahead += 1
         return self._launch(following, device_ids=ids)
 

@@ -88,6 +88,17 @@ def _read_generation_config(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def device_tensor(values, device, dtype=torch.long) -> torch.Tensor:
+    """A small host list (row indices, per-row parameters) as a tensor on `device`, without draining its queue.
+    A pageable host-to-device copy makes PyTorch wait for the stream to go idle (copy then cudaStreamSynchronize),
+    so a decode step launched ahead, or the next MTP draft, would stall behind it; a pinned buffer copied with
+    non_blocking is queued like a kernel (the caching host allocator keeps it until the copy is done)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A per-request generator: seeded for reproducible requests, random otherwise."""
     generator = torch.Generator(device=device)
@@ -138,10 +149,12 @@ class Sampler:
         temperature and filters; a greedy row is one-hot on its argmax (lowest index on ties).
         Speculative decoding's acceptance test needs exactly these."""
         scores = _apply_penalties(logits.float(), params_list, token_histories, prompt_lens)
-        probs = torch.zeros_like(scores).scatter_(1, scores.argmax(dim=-1, keepdim=True), 1.0)
         sampled_rows = [i for i, p in enumerate(params_list) if not p.greedy]
+        if len(sampled_rows) == len(params_list):
+            return _filtered_probs(scores, params_list)
+        probs = torch.zeros_like(scores).scatter_(1, scores.argmax(dim=-1, keepdim=True), 1.0)
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=scores.device)
+            rows = device_tensor(sampled_rows, scores.device)
             probs[rows] = _filtered_probs(scores[rows], [params_list[i] for i in sampled_rows])
         return probs
 
@@ -159,14 +172,17 @@ class Sampler:
         rows draw nothing). Logprobs are of the raw, unmodified distribution."""
         logits32 = logits.float()
         scores = _apply_penalties(logits32, params_list, token_histories, prompt_lens)
-        # Greedy rows: the argmax itself (lowest index on ties, as `probabilities`' one-hot), with no [B, V]
-        # one-hot or log-softmax written: this runs once per decoded token.
-        token_ids = scores.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params_list) if not p.greedy]
-        if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=scores.device)
-            probs = _filtered_probs(scores[rows], [params_list[i] for i in sampled_rows])
-            token_ids[rows] = draw(probs, [generators[i] for i in sampled_rows])
+        if len(sampled_rows) == len(params_list):  # every row samples (one chat stream): no argmax, no row gather
+            token_ids = draw(_filtered_probs(scores, params_list), generators)
+        else:
+            # Greedy rows: the argmax itself (lowest index on ties, as `probabilities`' one-hot), with no [B, V]
+            # one-hot or log-softmax written: this runs once per decoded token.
+            token_ids = scores.argmax(dim=-1)
+            if sampled_rows:
+                rows = device_tensor(sampled_rows, scores.device)
+                probs = _filtered_probs(scores[rows], [params_list[i] for i in sampled_rows])
+                token_ids[rows] = draw(probs, [generators[i] for i in sampled_rows])
 
         log_z = torch.logsumexp(logits32, dim=-1, keepdim=True)
         logprobs = (logits32.gather(1, token_ids[:, None]) - log_z).squeeze(1)
@@ -197,7 +213,7 @@ def _filtered_probs(scores, params_list) -> torch.Tensor:
     device, vocab = scores.device, scores.shape[-1]
 
     def per_row(values, dtype=torch.float32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)[:, None]
+        return device_tensor(values, device, dtype)[:, None]
 
     scores = scores / per_row([p.temperature for p in params_list])
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params_list]

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import UserError
 from .cache import SequenceCache
-from .sampling import Sampler, draw, top_logprobs
+from .sampling import Sampler, device_tensor, draw, top_logprobs
 
 MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp", "deepseek_mtp")  # names vLLM accepts for this
 
@@ -180,13 +180,13 @@ class MtpSpeculator:
                 ids = [x for t, p in zip(tokens, pad) for x in t + [0] * p]
                 rows = torch.cat([torch.cat([h, h.new_zeros(p, h.shape[1])]) for h, p in zip(hidden, pad)])
             buf = self.draft_graphs.run(ids, caches, m, hidden=rows)
-            last = torch.tensor([i * m + n - 1 for i, n in enumerate(lengths)], device=model.device)
+            last = device_tensor([i * m + n - 1 for i, n in enumerate(lengths)], model.device)
             for cache, n in zip(caches, lengths):
                 cache.advance(n)
             return buf.hidden[last], buf.logits[last]
-        ids = tokens if fed_back else torch.tensor([x for t in tokens for x in t], device=model.device)
+        ids = tokens if fed_back else device_tensor([x for t in tokens for x in t], model.device)
         out = model.mtp_forward(ids, hidden if fed_back else torch.cat(hidden), lengths, caches)
-        out = out[torch.tensor(lengths, device=model.device).cumsum(0) - 1]
+        out = out[device_tensor(lengths, model.device).cumsum(0) - 1]
         return out, self.draft_logits(out)
 
     def draft(self, states: list[DraftState], params, histories, prompt_lens, generators):
@@ -240,7 +240,7 @@ class MtpSpeculator:
         outcome back once (and once more for top logprobs, when a row asks for them)."""
         b, k = drafts.shape
         m = k + 1
-        ids = torch.cat([torch.tensor(last_tokens, device=drafts.device)[:, None], drafts], 1)
+        ids = torch.cat([device_tensor(last_tokens, drafts.device)[:, None], drafts], 1)
         hidden, logits, keep = self._verify_forward(caches, ids)
         raw = torch.log_softmax(logits, dim=-1)
         tokens, accepted = self._accept(logits, ids, qs, params, histories, prompt_lens, generators)
@@ -284,7 +284,7 @@ class MtpSpeculator:
         ok = target[:, :-1] == drafts
         nxt = target.gather(1, _leading_true(ok)[:, None]).squeeze(1)
         if sampled:
-            s = torch.tensor(sampled, device=ids.device)
+            s = device_tensor(sampled, ids.device)
             q = torch.cat([qs[s], torch.zeros_like(qs[s][:, :1])], 1)  # after the last draft: q = 0, the residual is p
             u = torch.stack([torch.rand(m - 1, generator=generators[i], device=ids.device) for i in sampled])
             d = drafts[s][..., None]
