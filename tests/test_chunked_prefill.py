@@ -123,15 +123,18 @@ def test_a_budget_below_one_is_refused_by_name(checkpoint):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the pooled step's kernels in Triton's interpreter (no CUDA)")
-def test_pooled_decode_after_chunked_prefill_gives_the_reference_tokens(checkpoint):
-    """Prompt chunks prefill eagerly into the pool's slots, decode runs the pooled step, async scheduling on."""
+@pytest.mark.parametrize("k", [None, 2])
+def test_pooled_decode_after_chunked_prefill_gives_the_reference_tokens(checkpoint, k):
+    """Prompt chunks prefill eagerly into the pool's slots (the MTP head's too), decode runs the pooled step (async
+    scheduling on without MTP; verify steps with it)."""
     pytest.importorskip("triton")
     params = SamplingParams(temperature=0.0, max_tokens=5)
     want, _, _ = run(engine_for(checkpoint, None), PROMPTS, params)
     pooled = Engine.from_pretrained(str(checkpoint), device="cpu", dtype="float32", cuda_graphs=True, max_num_seqs=4,
-                                    max_num_batched_tokens=7)
+                                    max_num_batched_tokens=7, speculative=SpeculativeConfig(k) if k else None)
     got, _, first = run(pooled, PROMPTS, params)
-    assert got == want and max(first) > 0 and pooled.steps_launched_ahead > 0
+    assert got == want and max(first) > 0
+    assert pooled.steps_launched_ahead > 0 if k is None else sum(pooled.speculator.drafted) > 0
 
 
 def masked_attention(q, keys, values, scale):
