@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from roofline.bench.environment import git_commit
+from roofline.bench.synthetic import device_ms
 
 HIDDEN = 3072
 L2_BYTES = 60e6
@@ -464,21 +465,6 @@ def bench_attention(b: Bench, quick: bool):
         torch.cuda.empty_cache()
 
 
-def eager_ms(fn, reps: int = 5) -> float:
-    """Median of `reps` timed calls after one warm-up, CUDA events around each (for work that reads the device back
-    or runs for milliseconds: no graph)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def bench_moe_prefill(b: Bench, quick: bool):
     """The routed experts of one 122B MoE layer at prefill: the grouped kernel (int4_moe_prefill) and the loop over
     experts (Experts.forward, each expert dequantised by int4_dequant), random uniform routing, blocked order.
@@ -513,15 +499,15 @@ def bench_moe_prefill(b: Bench, quick: bool):
                                                         (64, 64, 128, 4, 3), (64, 128, 128, 8, 2), (128, 64, 64, 4, 4),
                                                         (64, 256, 64, 8, 3), (16, 128, 128, 4, 3)]]:
                 try:
-                    ms = eager_ms(make(cfg))
+                    ms = device_ms(make(cfg), repeats=5, warmup=1)
                 except Exception as exc:  # a config that does not compile or fit is a result too
                     b.sweeps.append({"kernel": "moe_prefill", "shape": shape, "config": name, "error": repr(exc)[:300]})
                     continue
                 b.sweeps.append({"kernel": "moe_prefill", "shape": shape, "config": name, "time_us": round(ms * 1e3, 1),
                                  "TFLOPs": round(flop / ms / 1e9, 1)})
                 print(f"    sweep moe_prefill {shape} {name:28s} {ms * 1e3:9.1f} us {flop / ms / 1e9:6.1f} TFLOP/s", flush=True)
-        grouped = eager_ms(make(None))
-        loop = eager_ms(lambda: Experts.forward(module, x, experts, weights), reps=2)
+        grouped = device_ms(make(None), repeats=5, warmup=1)
+        loop = device_ms(lambda: Experts.forward(module, x, experts, weights), repeats=2, warmup=1)
         b.record("moe_prefill", shape, nbytes, grouped * 1e3, baseline=loop * 1e3,
                  note=f"grouped kernel {flop / grouped / 1e9:.0f} TFLOP/s; baseline: the loop over experts "
                       f"({flop / loop / 1e9:.0f} TFLOP/s)")

@@ -14,7 +14,7 @@ from roofline.engine.sampling import SamplingParams
 from roofline.engine.speculative import SpeculativeConfig
 from roofline.errors import UserError
 from roofline.model.layers import GatedAttention
-from tiny_checkpoints import reference_model, text_config, write_variant
+from tiny_checkpoints import write_random_checkpoint
 
 PROMPTS = [list(range(3, 40)), [9, 8, 7], [100, 3, 4, 200, 201, 9, 9, 12, 40, 77, 5, 6, 31]]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -22,11 +22,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    cfg = text_config(eos_token_id=255)  # random weights: make an early stop rare
-    hf, mtp = reference_model(cfg, seed=13)
-    path = tmp_path_factory.mktemp("chunked") / "m"
-    write_variant(hf, mtp, path, cfg=cfg)
-    return path
+    return write_random_checkpoint(tmp_path_factory.mktemp("chunked") / "m", seed=13)
 
 
 def engine_for(path, budget, k=None):

@@ -15,7 +15,7 @@ from roofline.engine.cache import CachePool, SequenceCache
 from roofline.engine.engine import Engine
 from roofline.engine.sampling import SamplingParams
 from roofline.engine.speculative import SpeculativeConfig
-from tiny_checkpoints import INT4_PLAN, reference_model, text_config, write_variant
+from tiny_checkpoints import INT4_PLAN, text_config, write_random_checkpoint
 
 pytest.importorskip("triton")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -30,11 +30,8 @@ FORMATS = ["bf16", "int4"] if torch.cuda.is_available() else ["bf16"]
 
 @pytest.fixture(scope="module", params=FORMATS)
 def checkpoint(request, tmp_path_factory):
-    cfg = text_config(eos_token_id=255)  # random weights: make an early stop rare
-    hf, mtp = reference_model(cfg, seed=7)
-    path = tmp_path_factory.mktemp("pooled") / request.param
-    write_variant(hf, mtp, path, cfg=cfg, plan=INT4_PLAN if request.param == "int4" else None)
-    return path
+    return write_random_checkpoint(tmp_path_factory.mktemp("pooled") / request.param, seed=7,
+                                   plan=INT4_PLAN if request.param == "int4" else None)
 
 
 def greedy(engine, prompts, n=8):

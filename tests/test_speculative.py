@@ -13,18 +13,14 @@ from roofline.engine.engine import Engine
 from roofline.engine.sampling import SamplingParams
 from roofline.engine.speculative import DraftLengthChooser, SpeculativeConfig
 from roofline.errors import UserError
-from tiny_checkpoints import reference_model, text_config, write_variant
+from tiny_checkpoints import write_random_checkpoint
 
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [9, 8, 7], [100, 3, 4, 200, 201, 9, 9, 12, 40]]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    cfg = text_config(eos_token_id=255)  # random weights: make an early stop rare
-    hf, mtp = reference_model(cfg, seed=31)
-    path = tmp_path_factory.mktemp("spec") / "m"
-    write_variant(hf, mtp, path, cfg=cfg)
-    return path
+    return write_random_checkpoint(tmp_path_factory.mktemp("spec") / "m", seed=31)
 
 
 def engine_for(path, k=None, draft_vocab=None):

@@ -165,6 +165,15 @@ def write_variant(
     return reference, ref_mtp
 
 
+def write_random_checkpoint(path, seed: int, plan: dict | None = None):
+    """A random tiny Qwen3.5-MoE checkpoint (with its MTP head) for engine tests; end of sequence is id 255, so
+    random weights rarely stop early."""
+    cfg = text_config(eos_token_id=255)
+    hf, mtp = reference_model(cfg, seed=seed)
+    write_variant(hf, mtp, path, cfg=cfg, plan=plan)
+    return path
+
+
 def _dequantized_param(name: str, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """The value a reference parameter must hold to match the quantised checkpoint."""
     if name.endswith(("experts.gate_up_proj", "experts.down_proj")):

@@ -81,7 +81,7 @@ def measure_copy_bandwidth(device, nbytes: int = 2 << 30, repeats: int = 20) -> 
     """Bytes per second of a device-to-device copy, counting bytes read and written (median of repeats)."""
     src = torch.empty(nbytes // 2, dtype=torch.int16, device=device).random_()
     dst = torch.empty_like(src)
-    return 2 * nbytes / (_device_ms(lambda: dst.copy_(src), repeats, warmup=3) / 1e3)
+    return 2 * nbytes / (device_ms(lambda: dst.copy_(src), repeats, warmup=3) / 1e3)
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -96,7 +96,7 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def _device_ms(fn, repeats: int, warmup: int = 2) -> float:
+def device_ms(fn, repeats: int, warmup: int = 2) -> float:
     """Median device time of `fn` (timed with CUDA events, each call alone), in ms."""
     times = []
     for _ in range(warmup + repeats):
@@ -119,7 +119,7 @@ def _graph_ms(fn, repeats: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return _device_ms(graph.replay, repeats)
+    return device_ms(graph.replay, repeats)
 
 
 @dataclass
@@ -153,7 +153,7 @@ def decode_ms(run: SyntheticRun, m: int, repeats: int) -> tuple[float, float]:
 
     step_ms = _median_ms(step, repeats)
     buf = run.graphs.run(ids, [run.cache], m)
-    return step_ms, _device_ms(buf.graph.replay, repeats)
+    return step_ms, device_ms(buf.graph.replay, repeats)
 
 
 def breakdown_ms(run: SyntheticRun, context: int, repeats: int) -> dict[str, float]:
