@@ -86,6 +86,17 @@ def test_grouped_prefill_in_fp32_is_close_to_exact():
                                rtol=1e-4, atol=1e-4)
 
 
+def test_column_tiles_past_the_weight_are_masked():
+    """BN 256 over 384 columns (gate and up each) and 128 down columns: the second tile of each is partly past N."""
+    module = int4_experts(3, 128, 384, seed=12)
+    x = torch.randn(21, 128, generator=torch.Generator().manual_seed(13))
+    experts, weights = routing(21, 3, 2, seed=14)
+    want = Experts.forward(module, x, experts, weights)
+    got = grouped_experts(x, experts, weights, module.gate_up, module.down,
+                          config={"BM": 16, "BN": 256, "BK": 64, "num_warps": 1})
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_group_size_the_kernel_cannot_step_is_refused_by_name():
     module = Experts(2, 96, 32)
     module.gate_up = Int4Weight(64, 96, 2, group_size=32)
