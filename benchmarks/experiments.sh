@@ -30,7 +30,7 @@ gpu_tests() {  # time limit, pytest arguments...
 case "${1:-}" in
   tests)  # the session-11/12 parts that have run only in the interpreter, then the pooled-decode and fast-path files
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-    gpu_tests 90 -m gpu tests/test_moe_prefill.py tests/test_int4_blocked.py tests/test_int8_lm_head.py \
+    gpu_tests 90 -m gpu tests/test_int4_gemm.py tests/test_int4_blocked.py tests/test_int8_lm_head.py \
       tests/test_chunked_prefill.py tests/test_sampling.py
     gpu_tests 40 tests/test_small_ops.py -k router_gemv_routes  # unmarked tests: no -m gpu
     gpu_tests 60 -m gpu tests/test_kernels.py -k "ba_dots or one_buffer"
@@ -42,7 +42,7 @@ case "${1:-}" in
     synthetic default 420 --prefill 4K,32K --engine-tokens 256
     ;;
   kernels)
-    timeout 300 python3 benchmarks/kernels.py --quick --only int8,moe_prefill 2>&1 | tail -40
+    timeout 300 python3 benchmarks/kernels.py --quick --only int8,int4_gemm 2>&1 | tail -40
     ;;
   ab)  # each opt-in experiment against the default, alternating so drift shows: B A B A
     for round in a b; do

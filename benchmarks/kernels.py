@@ -465,59 +465,75 @@ def bench_attention(b: Bench, quick: bool):
         torch.cuda.empty_cache()
 
 
-def bench_moe_prefill(b: Bench, quick: bool):
-    """The routed experts of one 122B MoE layer at prefill: the grouped kernel (int4_moe_prefill) and the loop over
-    experts (Experts.forward, each expert dequantised by int4_dequant), random uniform routing, blocked order.
-    Compute-bound: reported as TFLOP/s in the note; "bytes" counts each expert's weights once."""
+def _gemm_configs(small: bool) -> list[tuple[str, dict]]:
+    shapes = ([(16, 32, 128, 2, 3), (16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 64, 64, 4, 4), (32, 64, 128, 4, 3),
+               (16, 64, 128, 4, 2)] if small else
+              [(64, 128, 64, 4, 3), (32, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 64, 128, 4, 3), (64, 128, 128, 8, 2),
+               (128, 64, 64, 4, 4), (64, 256, 64, 8, 3), (16, 128, 128, 4, 3)])
+    return [(f"BM{bm} BN{bn} BK{bk} w{w} st{st}", {"BM": bm, "BN": bn, "BK": bk, "num_warps": w, "num_stages": st})
+            for bm, bn, bk, w, st in shapes]
+
+
+def bench_int4_gemm(b: Bench, quick: bool):
+    """int4_gemm.py (ROOFLINE_INT4_GEMM=triton) against the default many-rows path (dequantise + torch; the routed
+    experts in a loop) at 122B shapes, blocked order: the routed experts of one MoE layer at prefill (4K tokens,
+    compute-bound: TFLOP/s in the note) and at a decode batch past the expert kernels' 16 rows (24 tokens: 8
+    sequences x MTP-2 verify), and the GDN in_proj_qkv+z (20480 x 3072) at 6 and 48 rows."""
     from roofline.kernels.dispatch import _block, many_rows_forward
-    from roofline.kernels.int4_moe_prefill import grouped_experts
+    from roofline.kernels.int4_dequant import dequantize_int4
+    from roofline.kernels.int4_gemm import grouped_experts, int4_gemm
     from roofline.model.layers import Experts
     from roofline.quant import Int4Weight
 
-    e, h, inter, topk = 256, HIDDEN, 1024, 8
-    module = Experts(e, h, inter)
-    for name, (n, k) in (("gate_up", (2 * inter, h)), ("down", (h, inter))):
-        weight = Int4Weight(n, k, e, group_size=128, device="cuda")
-        weight.qweight, weight.qzeros, weight.scales = random_int4(n, k, experts=e)
+    def int4_weight(n, k, experts=0):
+        weight = Int4Weight(n, k, experts, group_size=128, device="cuda")
+        weight.qweight, weight.qzeros, weight.scales = random_int4(n, k, experts=experts)
         _block(weight)
         weight.forward = partial(many_rows_forward, weight)
-        setattr(module, name, weight)
-    nbytes = e * (int4_bytes(2 * inter, h) + int4_bytes(h, inter))
-    for tokens in (4096,) if quick else (512, 4096):
+        return weight
+
+    e, h, inter, topk = 256, HIDDEN, 1024, 8
+    module = Experts(e, h, inter)
+    module.gate_up, module.down = int4_weight(2 * inter, h, e), int4_weight(h, inter, e)
+    for tokens in (24, 4096) if quick else (24, 512, 4096):
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
         experts = torch.rand(tokens, e, device="cuda").topk(topk, dim=-1).indices
         weights = torch.softmax(torch.randn(tokens, topk, device="cuda"), -1).to(torch.bfloat16)
+        used = len(torch.unique(experts))
+        nbytes = used * (int4_bytes(2 * inter, h) + int4_bytes(h, inter))
         flop = 2 * tokens * topk * 3 * inter * h
-        shape = f"moe prefill E{e} H{h} I{inter} top{topk} T={tokens}"
+        shape = f"experts E{e} H{h} I{inter} top{topk} T={tokens} ({used} used)"
 
         def make(cfg, x=x, experts=experts, weights=weights):
             return lambda: grouped_experts(x, experts, weights, module.gate_up, module.down, config=cfg)
 
         if b.sweep:
-            for name, cfg in [(f"BM{bm} BN{bn} BK{bk} w{w} st{st}", {"BM": bm, "BN": bn, "BK": bk, "num_warps": w, "num_stages": st})
-                              for bm, bn, bk, w, st in [(64, 128, 64, 4, 3), (32, 128, 64, 4, 3), (128, 128, 64, 8, 3),
-                                                        (64, 64, 128, 4, 3), (64, 128, 128, 8, 2), (128, 64, 64, 4, 4),
-                                                        (64, 256, 64, 8, 3), (16, 128, 128, 4, 3)]]:
-                try:
-                    ms = device_ms(make(cfg), repeats=5, warmup=1)
-                except Exception as exc:  # a config that does not compile or fit is a result too
-                    b.sweeps.append({"kernel": "moe_prefill", "shape": shape, "config": name, "error": repr(exc)[:300]})
-                    continue
-                b.sweeps.append({"kernel": "moe_prefill", "shape": shape, "config": name, "time_us": round(ms * 1e3, 1),
-                                 "TFLOPs": round(flop / ms / 1e9, 1)})
-                print(f"    sweep moe_prefill {shape} {name:28s} {ms * 1e3:9.1f} us {flop / ms / 1e9:6.1f} TFLOP/s", flush=True)
-        grouped = device_ms(make(None), repeats=5, warmup=1)
-        loop = device_ms(lambda: Experts.forward(module, x, experts, weights), repeats=2, warmup=1)
-        b.record("moe_prefill", shape, nbytes, grouped * 1e3, baseline=loop * 1e3,
-                 note=f"grouped kernel {flop / grouped / 1e9:.0f} TFLOP/s; baseline: the loop over experts "
-                      f"({flop / loop / 1e9:.0f} TFLOP/s)")
+            b.try_configs("int4_gemm experts", shape, nbytes, make, _gemm_configs(tokens * topk <= 256))
+        grouped = median_us(make(None))
+        loop = device_ms(lambda: Experts.forward(module, x, experts, weights), repeats=2, warmup=1) * 1e3
+        b.record("int4_gemm experts", shape, nbytes, grouped, baseline=loop,
+                 note=f"grouped {flop / grouped / 1e6:.0f} TFLOP/s; baseline: the loop over experts, each dequantised "
+                      f"(int4_dequant), {flop / loop / 1e6:.0f} TFLOP/s")
+    weight = int4_weight(20480, h)
+    for rows in (6, 48):
+        x = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
+        shape = f"in_proj_qkv+z 20480x{h} M={rows}"
+
+        def make(cfg, x=x):
+            return lambda: int4_gemm(x, weight, config=cfg)
+
+        if b.sweep:
+            b.try_configs("int4_gemm dense", shape, int4_bytes(20480, h), make, _gemm_configs(True))
+        b.record("int4_gemm dense", shape, int4_bytes(20480, h), median_us(make(None)),
+                 baseline=median_us(lambda x=x: F.linear(x, dequantize_int4(weight, None, x.dtype))),
+                 note="baseline: the default path, the weight dequantised in one launch, then cuBLAS")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--no-sweep", action="store_true", help="default configurations only")
-    ap.add_argument("--only", default="", help="comma list of: int4,experts,fp8,router,int8,gdn,attn,moe_prefill")
+    ap.add_argument("--only", default="", help="comma list of: int4,experts,fp8,router,int8,gdn,attn,int4_gemm")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -529,7 +545,7 @@ def main():
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy:.0f} GB/s (read+write) {copy_ways}", flush=True)
     b = Bench(copy, sweep=not args.no_sweep)
     cases = {"int8": bench_int8, "experts": bench_experts, "int4": bench_int4_dense, "gdn": bench_gdn,
-             "attn": bench_attention, "fp8": bench_fp8, "router": bench_router, "moe_prefill": bench_moe_prefill}
+             "attn": bench_attention, "fp8": bench_fp8, "router": bench_router, "int4_gemm": bench_int4_gemm}
     only = [c for c in args.only.split(",") if c] or list(cases)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)

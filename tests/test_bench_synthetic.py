@@ -71,7 +71,7 @@ def test_synthetic_command_on_gpu(tmp_path):
     if not prof["programmatic_dependent_launch"]:  # kernels one after another: their time fits in the span
         assert prof["kernel_us_per_step"] <= prof["span_us_per_step"]
     assert any("gate_up" in k["name"] for k in prof["by_kernel"]), prof["by_kernel"][:5]  # the grouped experts kernel
-    assert [(p["prompt_tokens"], p["moe_prefill"]) for p in r["prefill"]] == [(1024, "loop"), (1024, "grouped")]
+    assert [(p["prompt_tokens"], p["int4_gemm"]) for p in r["prefill"]] == [(1024, "dequant"), (1024, "triton")]
     assert all(p["tok_s"] > 0 for p in r["prefill"])
     loop = r["engine_loop"]  # the engine's own decode loop: async scheduling launches every step after the first ahead
     assert len(loop) == 5 and all(e["tokens"] == 40 for e in loop) and all(e["tok_s"] > 0 for e in loop[:4])
@@ -81,9 +81,10 @@ def test_synthetic_command_on_gpu(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU runs it in the command above")
-def test_prefill_rows_time_each_way_the_int4_experts_prefill(caplog):
-    """The default layout's INT4 routed experts prefill by the loop and by the grouped kernel (interpreter), each
-    timed with its own warm-up; the first tokens agree; the model is left as ROOFLINE_MOE_PREFILL asks (the loop)."""
+def test_prefill_rows_time_each_int4_many_rows_path(caplog):
+    """The default layout's INT4 weights prefill by dequantising (experts in a loop) and by the Triton GEMM (experts
+    grouped), in the interpreter, each timed with its own warm-up; the first tokens agree; the model is left as
+    ROOFLINE_INT4_GEMM asks (dequant)."""
     pytest.importorskip("triton")
     from roofline.bench.synthetic import engine_prefill, format_report
     from roofline.kernels.dispatch import install_fast_path
@@ -92,17 +93,17 @@ def test_prefill_rows_time_each_way_the_int4_experts_prefill(caplog):
     model, _ = build_synthetic_model("tiny", LAYOUT, "cpu", torch.float32)
     with caplog.at_level("INFO", logger="roofline.kernels"):
         install_fast_path(model, allow_cpu=True)
-    assert "prefill by a loop over experts (ROOFLINE_MOE_PREFILL=grouped" in caplog.text
+    assert "(ROOFLINE_INT4_GEMM=triton: the INT4 GEMM kernel, not yet run on a GPU)" in caplog.text
     rows = engine_prefill(model, prompts=(24,), repeats=1, warmup_tokens=17)
-    assert [(p["prompt_tokens"], p["moe_prefill"]) for p in rows] == [(24, "loop"), (24, "grouped")]
+    assert [(p["prompt_tokens"], p["int4_gemm"]) for p in rows] == [(24, "dequant"), (24, "triton")]
     assert all(p["ms"] > 0 for p in rows) and rows[1]["first_token_as_first_kind"]
-    kinds = [m.prefill for m in model.modules() if isinstance(m, Experts) and "prefill" in vars(m)]  # INT4 ones
-    assert len(kinds) == 4 and set(kinds) == {"loop"}
+    kinds = [m.gemm for m in model.modules() if isinstance(m, Experts) and "gemm" in vars(m)]  # the INT4 ones
+    assert len(kinds) == 4 and set(kinds) == {"dequant"} and model.max_graph_rows == 16
     assert all(p["max_num_batched_tokens"] == 8192 and p["peak_memory_bytes"] is None for p in rows)  # no CUDA here
     # the report's prefill table, on a recorded H200 result with these rows added
     recorded = Path(__file__).parents[1] / "benchmarks/results/2026-12-04-synthetic-qwen3.5-122b-a10b-h200-run16.json"
     report = format_report({**json.loads(recorded.read_text()), "prefill": rows})
-    assert "| 24 | loop |" in report and "| 24 | grouped |" in report and "| yes | - |" in report
+    assert "| 24 | dequant |" in report and "| 24 | triton |" in report and "| yes | - |" in report
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU runs it in the command above")

@@ -151,15 +151,15 @@ def test_the_weight_order_follows_speculation_unless_forced(monkeypatch):
         block_int4_wanted(speculative=False)
 
 
-@pytest.mark.parametrize("kind", ["loop", "grouped"])
-def test_int4_moe_prefill_through_the_fast_path_equals_the_reference(tmp_path, monkeypatch, kind):
-    """A 20-token prefill (past the decode kernels' 16 expert rows) of an INT4 checkpoint with the fast path installed
-    (interpreter): every INT4 weight dequantised by int4_dequant, and the routed experts either in the loop over
-    experts or, with ROOFLINE_MOE_PREFILL=grouped, in the grouped kernel (int4_moe_prefill)."""
+@pytest.mark.parametrize("kind", ["dequant", "triton"])
+def test_int4_prefill_through_the_fast_path_equals_the_reference(tmp_path, monkeypatch, kind):
+    """A 20-token prefill (past the decode kernels' rows) of an INT4 checkpoint with the fast path installed
+    (interpreter): every INT4 weight dequantised by int4_dequant and the routed experts in a loop, or, with
+    ROOFLINE_INT4_GEMM=triton, the dense weights and the grouped experts in int4_gemm's kernel."""
     pytest.importorskip("triton")
     from roofline.checkpoint import load_model
     from roofline.engine.cache import SequenceCache
-    from roofline.kernels import int4_moe_prefill
+    from roofline.kernels import int4_gemm
     from roofline.kernels.dispatch import install_fast_path
     from roofline.model.layers import Experts
     from tiny_checkpoints import INT4_PLAN, reference_model, text_config, write_variant
@@ -171,23 +171,27 @@ def test_int4_moe_prefill_through_the_fast_path_equals_the_reference(tmp_path, m
     reference, _ = load_model(tmp_path / "m", "cpu", torch.float32)
     want = reference.logits(reference(ids, [len(ids)], [SequenceCache()]))
     fast, _ = load_model(tmp_path / "m", "cpu", torch.float32)
-    monkeypatch.setenv("ROOFLINE_MOE_PREFILL", kind)
+    monkeypatch.setenv("ROOFLINE_INT4_GEMM", kind)
     installed = install_fast_path(fast, allow_cpu=True).installed
     assert installed["int4 experts"]
-    assert bool(installed["int4 experts prefill in two grouped launches a layer (ROOFLINE_MOE_PREFILL=grouped, "
-                          "experiment)"]) == (kind == "grouped")
+    assert bool(installed["int4 gemm for many rows: experts grouped, dense up to 64 rows (ROOFLINE_INT4_GEMM=triton, "
+                          "experiment)"]) == (kind == "triton")
     experts = next(m for m in fast.modules() if isinstance(m, Experts))
-    assert experts.gate_up.forward.func.__name__ == "many_rows_forward" and experts.prefill == kind
-    calls, original = [], int4_moe_prefill.expert_blocks
-    monkeypatch.setattr(int4_moe_prefill, "expert_blocks", lambda *a: calls.append(1) or original(*a))
+    assert experts.gate_up.forward.func.__name__ == "many_rows_forward" and experts.gemm == kind
+    assert fast.max_graph_rows == (80 if kind == "triton" else 16)
+    calls = {"expert_blocks": [], "int4_gemm": []}
+    for name in calls:
+        original = getattr(int4_gemm, name)
+        monkeypatch.setattr(int4_gemm, name, lambda *a, _f=original, _n=name, **kw: calls[_n].append(1) or _f(*a, **kw))
     torch.testing.assert_close(fast.logits(fast(ids, [len(ids)], [SequenceCache()])), want, rtol=1e-4, atol=1e-4)
     layers = sum(1 for m in fast.model.modules() if isinstance(m, Experts))
-    assert layers and len(calls) == (layers if kind == "grouped" else 0), "once per MoE layer, or not at all"
+    assert layers and len(calls["expert_blocks"]) == (layers if kind == "triton" else 0), "once per MoE layer, or never"
+    assert (len(calls["int4_gemm"]) > 0) == (kind == "triton"), "the dense INT4 projections take the kernel"
 
 
-def test_an_unknown_moe_prefill_kind_is_refused_by_name(monkeypatch):
-    from roofline.kernels.dispatch import moe_prefill_wanted
+def test_an_unknown_int4_gemm_kind_is_refused_by_name(monkeypatch):
+    from roofline.kernels.dispatch import int4_gemm_wanted
 
-    monkeypatch.setenv("ROOFLINE_MOE_PREFILL", "fused")
-    with pytest.raises(UserError, match="ROOFLINE_MOE_PREFILL must be one of loop, grouped, got 'fused'"):
-        moe_prefill_wanted()
+    monkeypatch.setenv("ROOFLINE_INT4_GEMM", "fused")
+    with pytest.raises(UserError, match="ROOFLINE_INT4_GEMM must be one of dequant, triton, got 'fused'"):
+        int4_gemm_wanted()

@@ -254,3 +254,19 @@ def test_async_scheduling_drops_the_row_after_a_stop_token(checkpoint, caplog):
             engine.step()
     assert len(penalised.output_ids) == 3 and engine.steps_launched_ahead == before
     assert "async scheduling off for steps where a repetition, presence or frequency penalty" in caplog.text
+
+
+@pytest.mark.gpu
+def test_decode_batches_past_16_rows_are_captured_with_the_int4_gemm_gpu(checkpoint, monkeypatch):
+    """ROOFLINE_INT4_GEMM=triton: 6 sequences with MTP-2 verify steps (18 rows, bucket 8 x 3) replay captured graphs
+    whose routed experts take the grouped kernel and whose dense INT4 weights the GEMM, with the reference's tokens."""
+    if checkpoint.name != "int4":
+        pytest.skip("the INT4 checkpoint's kernels")
+    monkeypatch.setenv("ROOFLINE_INT4_GEMM", "triton")
+    spec = SpeculativeConfig(2)
+    reference = Engine.from_pretrained(str(checkpoint), device="cuda", dtype="float32", fast_path=False, speculative=spec)
+    pooled = Engine.from_pretrained(str(checkpoint), device="cuda", dtype="float32", cuda_graphs=True, speculative=spec,
+                                    max_num_seqs=8)
+    prompts = [PROMPTS[i % 3][: 3 + i] for i in range(6)]
+    assert greedy(pooled, prompts, n=12) == greedy(reference, prompts, n=12)
+    assert any(b * m > 16 and buf.graph is not None for (b, m, _), buf in pooled.graphs.buffers.items())

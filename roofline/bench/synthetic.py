@@ -43,7 +43,7 @@ from ..engine.engine import Engine
 from ..engine.graphs import DecodeGraphs
 from ..engine.sampling import SamplingParams
 from ..engine.speculative import SpeculativeConfig
-from ..kernels.dispatch import MOE_PREFILL_KINDS, install_fast_path, install_weight_kernel, moe_prefill_wanted, set_moe_prefill
+from ..kernels.dispatch import INT4_GEMM_KINDS, install_fast_path, install_weight_kernel, int4_gemm_wanted, use_int4_gemm
 from ..model.layers import SlotBatch
 from ..quant.base import LinearWeight
 from .ceiling import TokenBytes, token_bytes
@@ -307,17 +307,17 @@ def engine_prefill(model, prompts=(4096,), repeats: int = 2, warmup_tokens: int 
     """Prompt processing through `Engine.step` (llama-bench's "pp"): per prompt length, the median time of the
     step that prefills a fresh sequence and samples its first token (time to first token, no queueing), after
     one `warmup_tokens` prompt that compiles the prefill kernels. A model with INT4 routed experts is timed with
-    each way its experts prefill (`MOE_PREFILL_KINDS`: the loop over experts, the grouped kernel); each row says
-    which, and whether its first token is the loop's. Prompts prefill in chunks of the engine's default
+    each INT4 many-rows path (`INT4_GEMM_KINDS`: dequantise + torch with the experts in a loop, the Triton GEMM with
+    the experts grouped); each row says which, and whether its first token is the first path's. Prompts prefill in chunks of the engine's default
     max_num_batched_tokens; on CUDA each row has the peak memory of its prefills (the caller's peak is kept)."""
     vocab = model.config.vocab_size
     engine = _one_sequence_engine(model, max(*prompts, warmup_tokens) + 2)
-    kinds = [k for k in MOE_PREFILL_KINDS if set_moe_prefill(model, k)] or [None]
+    kinds = [k for k in INT4_GEMM_KINDS if use_int4_gemm(model, k)] or [None]
     cuda = model.device.type == "cuda"
     rows = []
     for kind in kinds:
         if kind:
-            set_moe_prefill(model, kind)
+            use_int4_gemm(model, kind)
         for index, n in enumerate((warmup_tokens, *prompts)):
             ids = [(7919 * i + 13) % vocab for i in range(n)]  # varied ids, the same every run
             times = []
@@ -332,11 +332,12 @@ def engine_prefill(model, prompts=(4096,), repeats: int = 2, warmup_tokens: int 
             if index:
                 ms = statistics.median(times)
                 first = next((r["first_token"] for r in rows if r["prompt_tokens"] == n), seq.output_ids[0])
-                rows.append({"prompt_tokens": n, "moe_prefill": kind, "ms": ms, "tok_s": n / ms * 1e3,
+                rows.append({"prompt_tokens": n, "int4_gemm": kind, "ms": ms, "tok_s": n / ms * 1e3,
                              "first_token": seq.output_ids[0], "first_token_as_first_kind": seq.output_ids[0] == first,
                              "max_num_batched_tokens": engine.max_num_batched_tokens,
                              "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None})
-    set_moe_prefill(model, moe_prefill_wanted())
+    if kinds != [None]:
+        use_int4_gemm(model, int4_gemm_wanted())
     return rows
 
 
@@ -427,7 +428,7 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     if prefill:
         result["prefill"] = engine_prefill(model, prefill)
         torch.cuda.reset_peak_memory_stats()  # peak_memory_bytes stays the decode path's: prefill rows have their own
-        progress("prefill: " + ", ".join(f"{r['prompt_tokens']} tokens{' (experts: %s)' % r['moe_prefill'] if r['moe_prefill'] else ''} "
+        progress("prefill: " + ", ".join(f"{r['prompt_tokens']} tokens{' (int4 gemm: %s)' % r['int4_gemm'] if r['int4_gemm'] else ''} "
                                          f"{r['ms']:.0f} ms ({r['tok_s']:.0f} tok/s)" for r in result["prefill"]))
     if engine_tokens:
         result["engine_loop"] = engine_loop(model, engine_tokens)
@@ -482,9 +483,9 @@ def format_report(r: dict) -> str:
         lines += [f"| {k['name']} | {k['launches']:.0f} | {k['us']:.1f} |" for k in kp["by_kernel"][:25]]
     if r.get("prefill"):
         lines += ["", "Prefill through Engine.step (a fresh sequence's prompt and its first token):",
-                  "| prompt tokens | routed experts | ms (time to first token) | tok/s | first token as the first row's | "
+                  "| prompt tokens | INT4 many-rows path | ms (time to first token) | tok/s | first token as the first row's | "
                   "peak GiB |", "|---|---|---|---|---|---|"]
-        lines += [f"| {p['prompt_tokens']} | {p['moe_prefill'] or '-'} | {p['ms']:.1f} | {p['tok_s']:.0f} | "
+        lines += [f"| {p['prompt_tokens']} | {p['int4_gemm'] or '-'} | {p['ms']:.1f} | {p['tok_s']:.0f} | "
                   f"{'yes' if p['first_token_as_first_kind'] else 'NO'} | {_gib(p['peak_memory_bytes'])} |"
                   for p in r["prefill"]]
     if r.get("engine_loop"):

@@ -15,14 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels.dispatch import MAX_EXPERT_TOKENS
+from ..kernels.dispatch import MAX_EXPERT_TOKENS, TRITON_GRAPH_ROWS
 from ..model.layers import SlotBatch
 from .cache import CachePool, SlotCache
 
 log = logging.getLogger("roofline.engine")
 
 MIN_SPAN = 1024  # smallest attention-span bucket
-MAX_GRAPH_ROWS = MAX_EXPERT_TOKENS  # beyond the expert kernels' rows the step runs eagerly (the reference syncs)
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -145,9 +144,15 @@ class DecodeGraphs:
         buf = self.buffers.get(key)
         if buf is None or (rollback and buf.rollback is None and m > 1):
             buf = self._new_buffers(b, m, rollback)
-            if self.use_graphs and b * m <= MAX_GRAPH_ROWS:
+            # Past the expert kernels' rows the routed experts loop and read the device back, unless the fast path's
+            # INT4 GEMM takes them (kernels.dispatch.use_int4_gemm sets the model's max_graph_rows).
+            max_rows = getattr(self.model, "max_graph_rows", MAX_EXPERT_TOKENS)
+            if self.use_graphs and b * m <= max_rows:
                 self._capture(buf, m, span)
                 log.info("captured the decode step as a CUDA graph: batch %d, %d token(s) per sequence, span %d", b, m, span)
+            elif self.use_graphs:
+                log.info("decode steps of batch %d x %d token(s) run eagerly, not as a CUDA graph: %d rows exceed %d "
+                         "(ROOFLINE_INT4_GEMM=triton captures up to %d)", b, m, b * m, max_rows, TRITON_GRAPH_ROWS)
             self.buffers[key] = buf
         return buf, b, span
 

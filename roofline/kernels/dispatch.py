@@ -66,10 +66,16 @@ def _int4(weight: Int4Weight, sym: bool, x: torch.Tensor, expert: int | None = N
 
 
 def many_rows_forward(weight: LinearWeight, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
-    """A call with more rows than the decode kernels take (prefill): x @ W^T on the dequantised weight, built in one
-    launch for INT4 (`int4_dequant`; the same values as the reference's), by the format's reference otherwise."""
+    """A call with more rows than the decode kernels take (prefill, decode batches): for a dense INT4 weight on the
+    "triton" path (`use_int4_gemm`) and up to GEMM_MAX_ROWS rows, the INT4 GEMM kernel; else x @ W^T on the
+    dequantised weight, built in one launch for INT4 (`int4_dequant`; the same values as the reference's), by the
+    format's reference otherwise."""
     if isinstance(weight, Int4Weight):
         from .int4_dequant import dequantize_int4
+        from .int4_gemm import GEMM_MAX_ROWS, int4_gemm
+
+        if expert is None and getattr(weight, "gemm", "dequant") == "triton" and row_count(x) <= GEMM_MAX_ROWS:
+            return int4_gemm(x, weight)
 
         return F.linear(x, dequantize_int4(weight, expert, x.dtype))
     return LinearWeight.forward(weight, x, expert)
@@ -99,41 +105,60 @@ def _int8(weight: Int8RowWeight, x: torch.Tensor, expert: int | None = None) -> 
     return LinearWeight.forward(weight, x, expert)
 
 
-# Routed INT4 experts at prefill (more than MAX_EXPERT_TOKENS rows): "loop" runs the reference loop over experts (each
-# expert's weights dequantised in one launch, int4_dequant); "grouped" two grouped GEMM launches a layer
-# (int4_moe_prefill: ~12 launches per expert fewer, 256 x 48 experts a 122B prompt). "grouped" is opt-in until it has
-# run on a GPU (written in session 12 without one). ROOFLINE_MOE_PREFILL=loop|grouped; `set_moe_prefill` per model.
-MOE_PREFILL_ENV = "ROOFLINE_MOE_PREFILL"
-MOE_PREFILL_KINDS = ("loop", "grouped")
+# INT4 calls with more rows than the decode kernels take (prefill; decode batches past MAX_DECODE_ROWS dense rows
+# or MAX_EXPERT_TOKENS expert rows). "dequant": each weight dequantised in one launch (int4_dequant) and multiplied by
+# torch, the routed experts one at a time (~12 launches an expert and a host read a layer, so such decode steps run
+# outside CUDA graphs). "triton": int4_gemm.py's kernel: routed experts grouped by expert in two launches at any row
+# count, dense weights up to GEMM_MAX_ROWS rows in one, nothing read back, so decode steps of up to
+# TRITON_GRAPH_ROWS rows are captured. "triton" is opt-in until it has run on a GPU (written in session 12 without
+# one). ROOFLINE_INT4_GEMM=dequant|triton at install; `use_int4_gemm` switches a model (the benchmark).
+INT4_GEMM_ENV = "ROOFLINE_INT4_GEMM"
+INT4_GEMM_KINDS = ("dequant", "triton")
+TRITON_GRAPH_ROWS = 80  # 16 sequences x 5 tokens (an MTP-4 verify)
 
 
-def moe_prefill_wanted() -> str:
-    kind = os.environ.get(MOE_PREFILL_ENV, "loop")
-    if kind not in MOE_PREFILL_KINDS:
-        raise UserError(f"{MOE_PREFILL_ENV} must be one of {', '.join(MOE_PREFILL_KINDS)}, got {kind!r}")
+def int4_gemm_wanted() -> str:
+    kind = os.environ.get(INT4_GEMM_ENV, "dequant")
+    if kind not in INT4_GEMM_KINDS:
+        raise UserError(f"{INT4_GEMM_ENV} must be one of {', '.join(INT4_GEMM_KINDS)}, got {kind!r}")
     return kind
 
 
-def set_moe_prefill(model: torch.nn.Module, kind: str) -> int:
-    """Make the INT4 routed experts of `model` prefill by `kind` (MOE_PREFILL_KINDS); returns how many took it
-    (experts whose weights the grouped kernel cannot read stay on the loop, and the log says why)."""
-    from .int4_moe_prefill import prefill_supported
+def _int4_weights(model: torch.nn.Module):
+    """Every non-expert INT4 weight with a fast-path forward, merged projections' wholes included."""
+    for module in model.modules():
+        if isinstance(module, Int4Weight) and not module.num_experts:
+            yield module
+        for proj in getattr(module, "merged", {}).values():
+            if isinstance(proj.merged, Int4Weight):
+                yield proj.merged
 
-    taken = 0
+
+def use_int4_gemm(model: torch.nn.Module, kind: str) -> int:
+    """Give the INT4 weights of `model` the many-rows path `kind` (INT4_GEMM_KINDS); returns how many routed-expert
+    modules took it (experts whose weights the kernel cannot read stay on the loop, and the log says why). With
+    "triton" on every expert module, `model.max_graph_rows` lets decode steps of TRITON_GRAPH_ROWS rows be captured."""
+    from .int4_gemm import experts_blocker, gemm_blocker
+
+    taken, refused = 0, 0
     for module in model.modules():
         if isinstance(module, Experts) and isinstance(module.forward, partial) and module.forward.func is _experts:
-            why = prefill_supported(module.gate_up, module.down) if kind == "grouped" else None
+            why = experts_blocker(module.gate_up, module.down) if kind == "triton" else None
             if why:
-                log.warning("routed experts prefill by the loop over experts, not the grouped kernel: %s", why)
-            module.prefill = "loop" if why else kind
+                log.warning("routed experts past %d rows loop over experts, not the grouped kernel: %s", MAX_EXPERT_TOKENS, why)
+            module.gemm = "dequant" if why else kind
             taken += not why
+            refused += bool(why)
+    for weight in _int4_weights(model):
+        weight.gemm = kind if kind == "dequant" or gemm_blocker(weight) is None else "dequant"
+    model.max_graph_rows = TRITON_GRAPH_ROWS if kind == "triton" and not refused else MAX_EXPERT_TOKENS
     return taken
 
 
 def _experts(module: Experts, syms: tuple[bool, bool], x, top_experts, top_weights) -> torch.Tensor:
     if x.shape[0] > MAX_EXPERT_TOKENS:
-        if module.prefill == "grouped":
-            from .int4_moe_prefill import grouped_experts
+        if module.gemm == "triton":
+            from .int4_gemm import grouped_experts
 
             return grouped_experts(x, top_experts, top_weights, module.gate_up, module.down)
         return Experts.forward(module, x, top_experts, top_weights)
@@ -416,13 +441,16 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
 
         if INT4_DEPTH == 2:
             installed["int4 tc two-buffer loop at one row too (ROOFLINE_INT4_DEPTH=2)"] += 1
-    if installed["int4 experts"]:
-        prefill = moe_prefill_wanted()
-        if set_moe_prefill(model, prefill) and prefill == "grouped":
-            installed["int4 experts prefill in two grouped launches a layer (ROOFLINE_MOE_PREFILL=grouped, experiment)"] += 1
-        elif prefill == "loop":
-            log.info("INT4 routed experts prefill by a loop over experts (ROOFLINE_MOE_PREFILL=grouped: two grouped "
-                     "launches a layer, not yet run on a GPU)")
+    if installed["int4"] or installed["int4 experts"]:
+        gemm = int4_gemm_wanted()
+        use_int4_gemm(model, gemm)
+        if gemm == "triton":
+            installed["int4 gemm for many rows: experts grouped, dense up to 64 rows (ROOFLINE_INT4_GEMM=triton, "
+                      "experiment)"] += 1
+        else:
+            log.info("INT4 calls past the decode kernels' rows dequantise the weight first, the routed experts one at a "
+                     "time, and decode steps past %d rows run outside CUDA graphs (ROOFLINE_INT4_GEMM=triton: the INT4 "
+                     "GEMM kernel, not yet run on a GPU)", MAX_EXPERT_TOKENS)
     if installed["int8 lm_head"]:
         from .int8_lm_head import DOT_ROWS
 

@@ -1,5 +1,6 @@
-"""The grouped INT4 experts' prefill (kernels/int4_moe_prefill.py): rows grouped by expert on the device, then one
-gate_up (+ SiLU * up) and one down launch, against the reference loop over experts (`Experts.forward`).
+"""The INT4 GEMM for calls past the decode kernels' rows (kernels/int4_gemm.py): routed experts grouped by expert on
+the device, then one gate_up (+ SiLU * up) and one down launch, against the reference loop over experts
+(`Experts.forward`); dense weights, merged projections' column views included, against their reference.
 
 In CI the kernel runs in Triton's interpreter (fp16 / fp32: it gets bf16 arithmetic wrong); the `gpu` test runs the
 122B experts' shape in bf16."""
@@ -12,8 +13,8 @@ from roofline.model.layers import Experts
 from roofline.quant import Int4Weight, quantize_int4
 
 pytest.importorskip("triton")
-from roofline.kernels import int4_moe_prefill  # noqa: E402
-from roofline.kernels.int4_moe_prefill import expert_blocks, grouped_experts, prefill_supported  # noqa: E402
+from roofline.kernels import int4_gemm as int4_gemm_module  # noqa: E402
+from roofline.kernels.int4_gemm import experts_blocker, expert_blocks, grouped_experts, int4_gemm  # noqa: E402
 
 
 def int4_experts(num_experts, hidden, inter, seed, sym=False) -> Experts:
@@ -58,7 +59,7 @@ def test_expert_blocks_group_every_row_once_by_expert():
 def test_grouped_prefill_equals_the_loop_over_experts(monkeypatch, blocked, sym):
     """fp16 in the interpreter; 45 tokens (not a multiple of the row block), top-3 of 6 experts with one unused,
     in chunks of 20 tokens (three chunks, the last short) so the chunking is exercised."""
-    monkeypatch.setattr(int4_moe_prefill, "TOKEN_CHUNK", 20)
+    monkeypatch.setattr(int4_gemm_module, "TOKEN_CHUNK", 20)
     module = int4_experts(6, 256, 128, seed=3, sym=sym)
     x = torch.randn(45, 256, generator=torch.Generator().manual_seed(4)).half()
     experts, weights = routing(45, 6, 3, seed=5, unused=(4,))
@@ -67,7 +68,7 @@ def test_grouped_prefill_equals_the_loop_over_experts(monkeypatch, blocked, sym)
     if blocked:
         _block(module.gate_up)
         _block(module.down)
-    assert prefill_supported(module.gate_up, module.down) is None
+    assert experts_blocker(module.gate_up, module.down) is None
     got = grouped_experts(x, experts, weights, module.gate_up, module.down)
     assert got.dtype == torch.float16 and got.shape == x.shape
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
@@ -101,7 +102,56 @@ def test_a_group_size_the_kernel_cannot_step_is_refused_by_name():
     module = Experts(2, 96, 32)
     module.gate_up = Int4Weight(64, 96, 2, group_size=32)
     module.down = Int4Weight(96, 32, 2, group_size=32)
-    assert "gate_up: group size 32" in prefill_supported(module.gate_up, module.down)
+    assert "gate_up: group size 32" in experts_blocker(module.gate_up, module.down)
+
+
+def dense_int4(n, k, seed):
+    weight = Int4Weight(n, k, group_size=128)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k**0.5
+    for part, tensor in quantize_int4(w, 128, sym=False).items():
+        getattr(weight, part).copy_(tensor)
+    return weight
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+@pytest.mark.parametrize("rows", [5, 17, 40])
+def test_dense_gemm_equals_the_reference_on_merged_parts(blocked, rows):
+    """A merged projection's parts are column views of the whole (GPTQ order) or contiguous runs of it (blocked): the
+    kernel reads each, at row counts past the decode kernels' 4 (5, 17 and 40 rows: one and several row blocks)."""
+    from collections import Counter
+
+    from roofline.kernels.dispatch import _block_int4_weights
+    from roofline.kernels.merge import Projections
+
+    parts = [dense_int4(256, 256, 1), dense_int4(128, 256, 2)]
+    root = torch.nn.Module()
+    for i, part in enumerate(parts):
+        root.add_module(f"part{i}", part)
+    root.merged = {"both": Projections(parts, lambda w: None)}
+    if blocked:
+        _block_int4_weights(root, torch.float16, Counter())
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3))
+    for weight in (*parts, root.merged["both"].merged):
+        got = int4_gemm(x.half(), weight)
+        assert got.dtype == torch.float16 and got.shape == (rows, weight.out_features)
+        torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, weight.dequantize()), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(int4_gemm(x, parts[1]), torch.nn.functional.linear(x, parts[1].dequantize()),
+                               rtol=1e-4, atol=1e-4)  # fp32 rows: close to exact
+
+
+@pytest.mark.gpu
+def test_dense_gemm_at_the_122b_projection_shape_gpu():
+    """bf16, the GDN in_proj_qkv+z shape (20480 x 3072), block-repacked, 6 and 48 rows (MTP-2 verify of 2 and of 16
+    sequences)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    weight = dense_int4(20480, 3072, 4).to("cuda")
+    want_w = weight.dequantize()
+    _block(weight)
+    for rows in (6, 48):
+        x = torch.randn(rows, 3072, device="cuda", dtype=torch.bfloat16)
+        got = int4_gemm(x, weight)
+        torch.testing.assert_close(got.float(), x.float() @ want_w.t(), rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.gpu

@@ -1,23 +1,27 @@
-"""Routed INT4 experts for prefill: one grouped GEMM launch for gate_up (with SiLU * up) and one for down.
+"""INT4 GEMM on the tensor cores for calls with more rows than the decode kernels take: routed experts grouped by
+expert (one gate_up with SiLU * up and one down launch a layer), dense weights as one group.
 
-The decode kernels (int4_experts.py) take up to 16 (token, choice) rows. A prefill has thousands:
-a 4K-token prompt on the 122B routes 32K rows a layer over 256 experts. The reference loop over
-experts (`Experts.forward`) launches ~12 kernels per expert, 256 x 48 per prompt, each expert's
-weights dequantised into a temporary first. Here, as vLLM's `fused_moe` does for GPTQ weights:
+The decode kernels (int4_tc.py, int4_experts.py) take 1..4 rows of a dense weight and up to 16 (token,
+choice) rows of the routed experts. Past that (prefill; decode batches of several sequences, or of MTP
+verify rows) the default path dequantises each weight into a temporary and multiplies with torch
+(`int4_dequant`), the routed experts one at a time: ~12 launches and a [K, N] temporary per expert, 256 x 48
+experts a 122B prompt chunk, and one host read a layer, which also keeps such decode steps out of CUDA
+graphs. Here, as vLLM's `fused_moe` does for GPTQ weights:
 
 - the rows are sorted by expert on the device and each expert's rows padded to a multiple of the
   row block BM (`expert_blocks`: no host read, so no bincount, which reads its input's maximum
-  back; the grid is sized for the worst case and blocks past the end return at once);
+  back; the grid is sized for the worst case and blocks past the end return at once); a dense
+  weight is one expert whose rows are 0..M-1 (`int4_gemm`);
 - one program computes a [BM rows, BN columns] tile of one expert: it loads its rows of x, the
-  packed INT4 words of its columns (either qweight order, `quant.int4`), dequantises them in
-  registers with the reference's arithmetic ((q - zero) * scale in fp32, rounded to x's dtype)
-  and multiplies on the tensor cores (`tl.dot`, fp32 accumulation);
+  packed INT4 words of its columns (either qweight order, `quant.int4`; a merged projection's
+  column views too), dequantises them in registers with the reference's arithmetic ((q - zero) *
+  scale in fp32, rounded to x's dtype) and multiplies on the tensor cores (`tl.dot`, fp32 accumulation);
 - gate_up computes the gate and the up tile of the same columns and writes silu(gate) * up,
   rounded as the reference rounds each step; down multiplies by the routing weight and writes
   one row per (token, choice), summed over the choices afterwards.
 
-The results equal the loop's up to the order of the fp32 sums (tests compare with the reference).
-Tokens go in chunks (`TOKEN_CHUNK`) so the [rows, hidden] temporaries stay bounded on long prompts.
+The results equal the reference's up to the order of the fp32 sums (tests compare them). Tokens go in chunks
+(`TOKEN_CHUNK`) so the [rows, hidden] temporaries stay bounded on long prompts.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import triton.language as tl
 from ._common import INTERPRET
 
 TOKEN_CHUNK = 8192  # tokens per pair of launches: the down rows of a chunk are 8192 x k x hidden
+GEMM_MAX_ROWS = 64  # dense calls up to this many rows; longer ones (prefill chunks) are compute-bound: cuBLAS
 
 
 @triton.jit
@@ -46,6 +51,14 @@ def _int4_tile(qw_ptr, qz_ptr, sc_ptr, r, c, c_mask, g, K, QW_ROW, QZ_ROW, SC_RO
     zero = ((zw >> ((c % 8) * 4)) & 0xF) + 1  # stored as zero - 1 (GPTQ v1)
     scale = tl.load(sc_ptr + g * SC_ROW + c, mask=c_mask, other=0).to(tl.float32)
     return (q - zero[None, :]).to(tl.float32) * scale[None, :]
+
+
+@triton.jit
+def _dot(a, w, acc):
+    """acc + a @ w with w rounded to a's dtype; fp32 rows multiply in full fp32 (not TF32: the reference's sums)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, w, acc, input_precision="ieee")
+    return tl.dot(a, w.to(a.dtype), acc)
 
 
 @triton.jit
@@ -76,10 +89,10 @@ def _grouped_kernel(a_ptr, rows_ptr, block_expert_ptr, qw_ptr, qz_ptr, sc_ptr, r
         r = k0 // 8 + tl.arange(0, BK // 8)
         g = k0 // GROUP  # BK divides GROUP: one group per step
         w = _int4_tile(qw, qz, sc, r, c, c_mask, g, K, QW_ROW, QZ_ROW, SC_ROW, BLOCKED)
-        acc = tl.dot(a, w.to(a.dtype), acc)
+        acc = _dot(a, w, acc)
         if SWIGLU:
             w_up = _int4_tile(qw, qz, sc, r, c + UP, c_mask, g, K, QW_ROW, QZ_ROW, SC_ROW, BLOCKED)
-            acc_up = tl.dot(a, w_up.to(a.dtype), acc_up)
+            acc_up = _dot(a, w_up, acc_up)
     dtype = out_ptr.dtype.element_ty
     if SWIGLU:  # rounded where the reference rounds: gate and up, silu(gate), the product
         gate = acc.to(dtype).to(tl.float32)
@@ -91,9 +104,12 @@ def _grouped_kernel(a_ptr, rows_ptr, block_expert_ptr, qw_ptr, qz_ptr, sc_ptr, r
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + c[None, :], acc.to(dtype), mask=valid[:, None] & c_mask[None, :])
 
 
-def _config() -> dict:
+def _config(rows: int | None = None) -> dict:
+    """Tiles for `rows` rows per group (None: many, prefill). A guess, swept by benchmarks/kernels.py."""
     if INTERPRET:
         return {"BM": 16, "BN": 32, "BK": 32, "num_warps": 1}
+    if rows is not None and rows <= 16:
+        return {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3}
     return {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3}
 
 
@@ -120,25 +136,48 @@ def expert_blocks(top_experts: torch.Tensor, num_experts: int, block: int) -> tu
     return rows, block_expert
 
 
+def _strides(t: torch.Tensor) -> tuple[int, int]:
+    """(per expert, per row) of a [E, R, C] or [R, C] tensor (a dense weight is expert 0 only)."""
+    return (t.stride(0) if t.dim() == 3 else 0), t.stride(-2)
+
+
 def _launch(a, rows, block_expert, weight, out, *, a_row_div: int, up: int = 0, routing=None, cfg: dict) -> None:
     qw, qz, sc = weight.qweight, weight.qzeros, weight.scales
     n, k = out.shape[1], a.shape[1]
     grid = (block_expert.numel() * triton.cdiv(n, cfg["BN"]),)
     _grouped_kernel[grid](
         a, rows, block_expert, qw, qz, sc, routing if routing is not None else out, out,
-        n, k, a_row_div, a.stride(0), qw.stride(0), qw.stride(1), qz.stride(0), qz.stride(1), sc.stride(0), sc.stride(1),
+        n, k, a_row_div, a.stride(0), *_strides(qw), *_strides(qz), *_strides(sc),
         up, GROUP=weight.group_size, BLOCKED=weight.blocked, SWIGLU=bool(up), WEIGHTED=routing is not None, **cfg,
     )
 
 
-def prefill_supported(gate_up, down) -> str | None:
-    """Why the grouped prefill cannot take these experts' weights, or None."""
-    for name, weight in (("gate_up", gate_up), ("down", down)):
-        if weight.group_size % 64 or weight.in_features % weight.group_size:
-            return f"{name}: group size {weight.group_size} (the kernel steps K by 64 within a group)"
-        if any(t.stride(-1) != 1 for t in (weight.qweight, weight.qzeros, weight.scales)):
-            return f"{name}: INT4 tensors need unit stride along N"
+def gemm_blocker(weight, name: str = "weight") -> str | None:
+    """Why the kernel cannot read this INT4 weight, or None."""
+    if weight.group_size % 64 or weight.in_features % weight.group_size:
+        return f"{name}: group size {weight.group_size} (the kernel steps K by 64 within a group)"
+    if any(t.stride(-1) != 1 for t in (weight.qweight, weight.qzeros, weight.scales)):
+        return f"{name}: INT4 tensors need unit stride along N"
     return None
+
+
+def experts_blocker(gate_up, down) -> str | None:
+    return gemm_blocker(gate_up, "gate_up") or gemm_blocker(down, "down")
+
+
+def int4_gemm(x: torch.Tensor, weight, config: dict | None = None) -> torch.Tensor:
+    """x @ W^T for a dense INT4 weight (or a merged projection's column view) in one launch: the rows as one group."""
+    k, n = weight.in_features, weight.out_features
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    cfg = config or _config(m)
+    slots = triton.cdiv(m, cfg["BM"]) * cfg["BM"]
+    index = torch.arange(slots, dtype=torch.int32, device=x.device)
+    rows = torch.where(index < m, index, -1)
+    block_expert = torch.zeros(slots // cfg["BM"], dtype=torch.int32, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _launch(x2, rows, block_expert, weight, out, a_row_div=1, cfg=cfg)
+    return out.view(*x.shape[:-1], n)
 
 
 def grouped_experts(x: torch.Tensor, top_experts: torch.Tensor, top_weights: torch.Tensor, gate_up, down,
