@@ -2,7 +2,8 @@
 # The work written without a GPU and waiting for one (benchmarks/NOTES-kernels.md, sessions 11-12), in the order to
 # run it, as phases that each fit one 10-minute device call:
 #   OUT=... bash benchmarks/experiments.sh tests      # GPU tests of the untested parts (~5 min)
-#   OUT=... bash benchmarks/experiments.sh bench      # 122B at context 0: engine loop, prefill 4K/32K loop vs grouped (~5 min)
+#   OUT=... bash benchmarks/experiments.sh bench      # 122B at context 0: engine loop, prefill 4K/32K and 8-sequence
+#                                                     # decode steps by both INT4 many-rows paths (~6 min)
 #   OUT=... bash benchmarks/experiments.sh kernels    # INT8 dot and grouped-prefill sweeps (~3 min)
 #   OUT=... bash benchmarks/experiments.sh ab         # alternating A/B of the opt-in decode experiments (~8 min)
 # Each step has its own time limit and writes under $OUT, so a failure or a timeout loses only itself. Set
@@ -37,19 +38,19 @@ case "${1:-}" in
     gpu_tests 150 -m gpu tests/test_pooled_decode.py tests/test_fast_path.py tests/test_generate_cli.py
     gpu_tests 150 -m gpu tests/test_bench_synthetic.py
     ;;
-  bench)  # engine loop rows (async scheduling off / on, MTP-2 against its parts) and prefill by both expert paths,
-    # 32K in four chunks of 8K (time to first token and the prefill's peak memory)
-    synthetic default 420 --prefill 4K,32K --engine-tokens 256
+  bench)  # engine loop rows (async scheduling off / on, MTP-2 against its parts); prefill (32K in four chunks of 8K:
+    # time to first token and peak memory) and 8 x 1 / 8 x 3 decode steps by both INT4 many-rows paths
+    synthetic default 480 --prefill 4K,32K --engine-tokens 256 --batch-decode 8x1,8x3
     ;;
   kernels)
     timeout 300 python3 benchmarks/kernels.py --quick --only int8,int4_gemm 2>&1 | tail -40
     ;;
   ab)  # each opt-in experiment against the default, alternating so drift shows: B A B A
     for round in a b; do
-      ROOFLINE_GDN_BA_IN_KERNEL=1 synthetic "ba-in-kernel-$round" 110 --prefill 0 --engine-tokens 0
-      synthetic "default-$round" 110 --prefill 0 --engine-tokens 0
+      ROOFLINE_GDN_BA_IN_KERNEL=1 synthetic "ba-in-kernel-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
+      synthetic "default-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
     done
-    ROOFLINE_INT8_DOT=1 synthetic int8-dot 110 --prefill 0 --engine-tokens 0
+    ROOFLINE_INT8_DOT=1 synthetic int8-dot 110 --prefill 0 --engine-tokens 0 --batch-decode 0
     ;;
   *)
     echo "usage: OUT=DIR bash benchmarks/experiments.sh tests|bench|kernels|ab" >&2

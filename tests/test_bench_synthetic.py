@@ -72,6 +72,10 @@ def test_synthetic_command_on_gpu(tmp_path):
         assert prof["kernel_us_per_step"] <= prof["span_us_per_step"]
     assert any("gate_up" in k["name"] for k in prof["by_kernel"]), prof["by_kernel"][:5]  # the grouped experts kernel
     assert [(p["prompt_tokens"], p["int4_gemm"]) for p in r["prefill"]] == [(1024, "dequant"), (1024, "triton")]
+    batch = {(d["sequences"], d["m"], d["int4_gemm"]): d for d in r["batch_decode"]}  # the default 8x1, 8x3
+    assert set(batch) == {(8, m, k) for m in (1, 3) for k in ("dequant", "triton")}
+    assert batch[(8, 3, "triton")]["cuda_graph"] and not batch[(8, 3, "dequant")]["cuda_graph"]  # 24 rows
+    assert batch[(8, 1, "dequant")]["cuda_graph"] and batch[(8, 1, "triton")]["cuda_graph"]
     assert all(p["tok_s"] > 0 for p in r["prefill"])
     loop = r["engine_loop"]  # the engine's own decode loop: async scheduling launches every step after the first ahead
     assert len(loop) == 5 and all(e["tokens"] == 40 for e in loop) and all(e["tok_s"] > 0 for e in loop[:4])
@@ -128,3 +132,29 @@ def test_engine_loop_measures_async_scheduling_on_the_synthetic_model():
         assert r["tokens"] == 5 and r["ms_per_token"] > 0
         assert r["tokens_equal_async_off"] is (True if r["async_scheduling"] else None)
         assert r["steps_launched_ahead"] == (4 if r["async_scheduling"] else 0)  # every token after the first
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU runs it in the command above")
+def test_batch_decode_rows_time_each_int4_many_rows_path():
+    """6 sequences x 3 tokens (18 rows: past the expert kernels' 16) by both INT4 many-rows paths, on the default
+    layout in the interpreter (no CUDA: nothing is captured); the model is left on the default path."""
+    pytest.importorskip("triton")
+    from roofline.bench.synthetic import batch_decode
+    from roofline.kernels.dispatch import install_fast_path
+
+    model, _ = build_synthetic_model("tiny", LAYOUT, "cpu", torch.float32)
+    install_fast_path(model, allow_cpu=True)
+    rows = batch_decode(model, [(6, 3)], repeats=1, capacity=64, warmup=0)
+    assert [(r["sequences"], r["m"], r["rows"], r["int4_gemm"]) for r in rows] == [(6, 3, 18, "dequant"), (6, 3, 18, "triton")]
+    assert all(r["step_ms"] > 0 and not r["cuda_graph"] and r["row_tokens_per_s"] > 0 for r in rows)
+    assert model.max_graph_rows == 16
+
+
+def test_batch_decode_shapes_are_parsed_or_refused_by_name():
+    from roofline.commands.bench import parse_batch_shapes
+    from roofline.errors import UserError
+
+    assert parse_batch_shapes("8x1, 16x3") == [(8, 1), (16, 3)] and parse_batch_shapes("0") == []
+    for bad in ("8", "8x0", "x3", "8x6"):
+        with pytest.raises(UserError, match=f"--batch-decode: '{bad}' is not BxM"):
+            parse_batch_shapes(bad)

@@ -84,9 +84,9 @@ def measure_copy_bandwidth(device, nbytes: int = 2 << 30, repeats: int = 20) -> 
     return 2 * nbytes / (device_ms(lambda: dst.copy_(src), repeats, warmup=3) / 1e3)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    """Median wall time of `fn` (which ends in a host sync) in ms."""
-    for _ in range(3):
+def _median_ms(fn, repeats: int, warmup: int = 3) -> float:
+    """Median wall time of `fn` (which ends in a host sync) in ms, after `warmup` untimed calls."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
@@ -154,6 +154,42 @@ def decode_ms(run: SyntheticRun, m: int, repeats: int) -> tuple[float, float]:
     step_ms = _median_ms(step, repeats)
     buf = run.graphs.run(ids, [run.cache], m)
     return step_ms, device_ms(buf.graph.replay, repeats)
+
+
+def batch_decode(model, shapes=((8, 1), (8, 3)), repeats: int = 10, capacity: int = 2048, warmup: int = 3) -> list[dict]:
+    """Decode steps of B sequences x M tokens (batched serving; M > 1: MTP verify rows), context ~16, by each INT4
+    many-rows path (`INT4_GEMM_KINDS`): past 4 dense rows the default dequantises each INT4 weight per step, past 16
+    expert rows it loops over experts and runs without a CUDA graph; "triton" keeps such steps on one kernel and in a
+    graph. Per row: the step (inputs in, replay or eager run, argmax read back), whether it was captured, and the
+    tokens it carries per second. A pool of its own (B slots of `capacity` tokens)."""
+    kinds = [k for k in INT4_GEMM_KINDS if use_int4_gemm(model, k)] or [None]
+    cfg = model.config
+    rows = []
+    for kind in kinds:
+        if kind:
+            use_int4_gemm(model, kind)
+        pool = CachePool(cfg, cfg.layer_types, max(b for b, _ in shapes), capacity, model.device, model.dtype)
+        graphs = DecodeGraphs(model, pool, pool.num_slots, use_graphs=model.device.type == "cuda")
+        for b, m in shapes:
+            caches = [pool.acquire() for _ in range(b)]
+            for cache in caches:
+                cache.advance(16)
+            ids = [1] * (b * m)
+
+            def step(caches=caches, ids=ids, m=m):
+                buf = graphs.run(ids, caches, m)
+                buf.logits[: len(ids)].argmax(-1).tolist()
+
+            ms = _median_ms(step, repeats, warmup)
+            captured = graphs.buffers_for(b, m, 16 + m)[0].graph is not None
+            rows.append({"sequences": b, "m": m, "rows": b * m, "int4_gemm": kind, "step_ms": ms, "cuda_graph": captured,
+                         "row_tokens_per_s": b * m / ms * 1e3})
+            for cache in caches:
+                pool.release(cache)
+        del graphs, pool
+    if kinds != [None]:
+        use_int4_gemm(model, int4_gemm_wanted())
+    return rows
 
 
 def breakdown_ms(run: SyntheticRun, context: int, repeats: int) -> dict[str, float]:
@@ -350,7 +386,7 @@ def _pool_bytes(pool: CachePool) -> tuple[int, int]:
 def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768), verify_tokens=(2, 3, 4),
                   repeats: int = 50, acceptance=(0.95, 0.80), layers: int | None = None, capacity: int = 262144,
                   device: str = "cuda", progress=print, profile: bool = False, engine_tokens: int = 256,
-                  prefill=(4096,)) -> dict:
+                  prefill=(4096,), batches=((8, 1), (8, 3))) -> dict:
     """Everything the module docstring lists, as a JSON-ready dict."""
     from ..errors import UserError
     from .environment import environment
@@ -424,6 +460,10 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                          "modelled": modelled_mtp(verify[1], verify_k, draft, acceptance),
                          "draft_vocab": DRAFT_VOCAB, "draft_step_ms_small_vocab": small,
                          "modelled_small_vocab": modelled_mtp(verify[1], verify_k, small, acceptance)}
+    if batches:
+        result["batch_decode"] = batch_decode(model, batches, repeats)
+        progress("batched decode: " + ", ".join(f"{r['sequences']}x{r['m']} ({r['int4_gemm']}) {r['step_ms']:.2f} ms"
+                                                 f"{'' if r['cuda_graph'] else ' eager'}" for r in result["batch_decode"]))
     peak_before_prefill = torch.cuda.max_memory_allocated()
     if prefill:
         result["prefill"] = engine_prefill(model, prefill)
@@ -488,6 +528,11 @@ def format_report(r: dict) -> str:
         lines += [f"| {p['prompt_tokens']} | {p['int4_gemm'] or '-'} | {p['ms']:.1f} | {p['tok_s']:.0f} | "
                   f"{'yes' if p['first_token_as_first_kind'] else 'NO'} | {_gib(p['peak_memory_bytes'])} |"
                   for p in r["prefill"]]
+    if r.get("batch_decode"):
+        lines += ["", "Decode steps of several sequences (B x M rows; M > 1: MTP verify), by INT4 many-rows path:",
+                  "| B x M | INT4 many-rows path | step ms | CUDA graph | row tokens/s |", "|---|---|---|---|---|"]
+        lines += [f"| {d['sequences']} x {d['m']} | {d['int4_gemm'] or '-'} | {d['step_ms']:.3f} | "
+                  f"{'yes' if d['cuda_graph'] else 'no'} | {d['row_tokens_per_s']:.0f} |" for d in r["batch_decode"]]
     if r.get("engine_loop"):
         lines += ["", "Engine decode loop (Engine.step, one sequence, context ~0; the step above reads its token before "
                       "the next launch):", "| sampling | async scheduling | tok/s | ms/token | steps launched ahead | "

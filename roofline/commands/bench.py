@@ -229,8 +229,25 @@ def add_synthetic(sub) -> None:
     p.add_argument("--engine-tokens", type=int, default=256,
                    help="tokens the engine's own decode loop generates per mode (greedy / sampled, async scheduling "
                         "off / on); 0 skips it (default 256)")
+    p.add_argument("--batch-decode", default="8x1,8x3", metavar="BxM,...",
+                   help="decode steps of B sequences x M tokens to time by each INT4 many-rows path (default 8x1,8x3: "
+                        "8 sequences, plain and with MTP-2 verify rows; 0 skips them)")
     p.add_argument("--out", default=None, metavar="FILE.json", help="write the result here")
     p.set_defaults(func=cmd_synthetic)
+
+
+def parse_batch_shapes(value: str) -> list[tuple[int, int]]:
+    """'8x1,8x3' -> [(8, 1), (8, 3)]; '0' -> []."""
+    if value.strip() == "0":
+        return []
+    shapes = []
+    for item in value.split(","):
+        b, sep, m = item.strip().partition("x")
+        if not (sep and b.isdigit() and m.isdigit() and int(b) >= 1 and 1 <= int(m) <= 5):
+            raise UserError(f"--batch-decode: {item.strip()!r} is not BxM with B >= 1 sequences and M in 1..5 tokens "
+                            "(e.g. 8x3), or 0")
+        shapes.append((int(b), int(m)))
+    return shapes
 
 
 def cmd_synthetic(args) -> int:
@@ -247,12 +264,13 @@ def cmd_synthetic(args) -> int:
     if args.repeats < 1:
         raise UserError("--repeats must be at least 1")
     prefill = [n for n in parse_int_list(args.prefill, "--prefill", sizes=True, minimum=0) if n]
+    batches = parse_batch_shapes(args.batch_decode)
     if args.engine_tokens != 0 and args.engine_tokens < 32:
         raise UserError("--engine-tokens must be 0 (skip) or at least 32 (the first 16 tokens are warm-up)")
     result = run_synthetic(args.shape, layout_from_args(args), contexts, verify, args.repeats,
                            parse_acceptance(args.acceptance), args.layers, capacity,
                            progress=lambda msg: print(msg, file=sys.stderr, flush=True), profile=args.profile,
-                           engine_tokens=args.engine_tokens, prefill=prefill)
+                           engine_tokens=args.engine_tokens, prefill=prefill, batches=batches)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
