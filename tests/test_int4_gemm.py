@@ -139,6 +139,18 @@ def test_dense_gemm_equals_the_reference_on_merged_parts(blocked, rows):
                                rtol=1e-4, atol=1e-4)  # fp32 rows: close to exact
 
 
+def test_weights_the_kernel_cannot_read_keep_the_dequantising_path_and_say_so(caplog):
+    from roofline.kernels.dispatch import use_int4_gemm
+
+    root = torch.nn.Module()
+    root.odd = Int4Weight(64, 96, group_size=32)
+    root.fine = dense_int4(128, 256, 5)
+    with caplog.at_level("WARNING", logger="roofline.kernels"):
+        use_int4_gemm(root, "triton")
+    assert (root.odd.gemm, root.fine.gemm, root.max_graph_rows) == ("dequant", "triton", 80)
+    assert "1 dense INT4 weights past 4 rows dequantise first, not the INT4 GEMM: weight: group size 32" in caplog.text
+
+
 @pytest.mark.gpu
 def test_dense_gemm_at_the_122b_projection_shape_gpu():
     """bf16, the GDN in_proj_qkv+z shape (20480 x 3072), block-repacked, 6 and 48 rows (MTP-2 verify of 2 and of 16

@@ -149,8 +149,15 @@ def use_int4_gemm(model: torch.nn.Module, kind: str) -> int:
             module.gemm = "dequant" if why else kind
             taken += not why
             refused += bool(why)
+    kept = Counter()
     for weight in _int4_weights(model):
-        weight.gemm = kind if kind == "dequant" or gemm_blocker(weight) is None else "dequant"
+        why = gemm_blocker(weight) if kind == "triton" else None
+        weight.gemm = "dequant" if why else kind
+        kept[why] += bool(why)
+    for why, count in kept.items():
+        if count:
+            log.warning("%d dense INT4 weights past %d rows dequantise first, not the INT4 GEMM: %s", count,
+                        MAX_DECODE_ROWS, why)
     model.max_graph_rows = TRITON_GRAPH_ROWS if kind == "triton" and not refused else MAX_EXPERT_TOKENS
     return taken
 
