@@ -19,16 +19,21 @@ from ._common import INTERPRET
 
 
 @triton.jit
+def qword_offset(r, c, K, QW_ROW, BLOCKED: tl.constexpr):
+    """Offsets of the packed words at packed rows r and columns c (broadcast against each other) of a [K/8, N]
+    qweight in GPTQ order (row stride QW_ROW) or in block_qweight's [N/32, K/128, 16, 32] order."""
+    if BLOCKED:
+        return ((c // 32) * (K // 128) + r // 16) * 512 + (r % 16) * 32 + c % 32
+    return r * QW_ROW + c
+
+
+@triton.jit
 def _dequant_kernel(qw_ptr, qz_ptr, sc_ptr, out_ptr, K, N, QW_ROW, QZ_ROW, SC_ROW, GROUP: tl.constexpr,
                     BLOCKED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     c = tl.program_id(0) * BN + tl.arange(0, BN)  # output rows (the weight's N)
     k = tl.program_id(1) * BK + tl.arange(0, BK)  # along K: contiguous in the output
     mask = (c < N)[:, None] & (k < K)[None, :]
-    r = k // 8  # packed row
-    if BLOCKED:  # block_qweight's order: [N/32, K/128, 16, 32] words
-        word = ((c // 32)[:, None] * (K // 128) + (r // 16)[None, :]) * 512 + (r % 16)[None, :] * 32 + (c % 32)[:, None]
-    else:
-        word = r[None, :] * QW_ROW + c[:, None]
+    word = qword_offset((k // 8)[None, :], c[:, None], K, QW_ROW, BLOCKED)
     q = (tl.load(qw_ptr + word, mask=mask, other=0) >> ((k % 8) * 4)[None, :]) & 0xF
     g = k // GROUP
     zw = tl.load(qz_ptr + g[None, :] * QZ_ROW + (c // 8)[:, None], mask=mask, other=0)

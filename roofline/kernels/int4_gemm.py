@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET
+from .int4_dequant import qword_offset
 
 TOKEN_CHUNK = 8192  # tokens per pair of launches: the down rows of a chunk are 8192 x k x hidden
 GEMM_MAX_ROWS = 64  # dense calls up to this many rows; longer ones (prefill chunks) are compute-bound: cuBLAS
@@ -39,11 +40,7 @@ GEMM_MAX_ROWS = 64  # dense calls up to this many rows; longer ones (prefill chu
 @triton.jit
 def _int4_tile(qw_ptr, qz_ptr, sc_ptr, r, c, c_mask, g, K, QW_ROW, QZ_ROW, SC_ROW, BLOCKED: tl.constexpr):
     """Dequantised weights, fp32 [8 * len(r), len(c)]: packed rows r (k = 8 r .. 8 r + 7) of columns c, group g."""
-    if BLOCKED:  # block_qweight's order: [N/32, K/128, 16, 32] words
-        word = ((c // 32)[None, :] * (K // 128) + (r // 16)[:, None]) * 512 + (r % 16)[:, None] * 32 + (c % 32)[None, :]
-    else:
-        word = r[:, None] * QW_ROW + c[None, :]
-    words = tl.load(qw_ptr + word, mask=c_mask[None, :], other=0)
+    words = tl.load(qw_ptr + qword_offset(r[:, None], c[None, :], K, QW_ROW, BLOCKED), mask=c_mask[None, :], other=0)
     shifts = tl.arange(0, 8) * 4
     q = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [R, 8, BN]: k = 8 r + j
     q = tl.reshape(q, [8 * r.shape[0], c.shape[0]])
