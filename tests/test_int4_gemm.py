@@ -139,6 +139,17 @@ def test_dense_gemm_equals_the_reference_on_merged_parts(blocked, rows):
                                rtol=1e-4, atol=1e-4)  # fp32 rows: close to exact
 
 
+def test_a_k_step_wider_than_the_group_is_narrowed_to_it():
+    """Group 64, K 192, a config asking BK 128: each K step must stay within one group (and within K)."""
+    weight = Int4Weight(96, 192, group_size=64)
+    w = torch.randn(96, 192, generator=torch.Generator().manual_seed(6)) / 192**0.5
+    for part, tensor in quantize_int4(w, 64, sym=False).items():
+        getattr(weight, part).copy_(tensor)
+    x = torch.randn(7, 192, generator=torch.Generator().manual_seed(7))
+    got = int4_gemm(x, weight, config={"BM": 16, "BN": 32, "BK": 128, "num_warps": 1})
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight.dequantize()), rtol=1e-4, atol=1e-4)
+
+
 def test_weights_the_kernel_cannot_read_keep_the_dequantising_path_and_say_so(caplog):
     from roofline.kernels.dispatch import use_int4_gemm
 

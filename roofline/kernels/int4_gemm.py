@@ -26,6 +26,8 @@ The results equal the reference's up to the order of the fp32 sums (tests compar
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -141,6 +143,8 @@ def _strides(t: torch.Tensor) -> tuple[int, int]:
 def _launch(a, rows, block_expert, weight, out, *, a_row_div: int, up: int = 0, routing=None, cfg: dict) -> None:
     qw, qz, sc = weight.qweight, weight.qzeros, weight.scales
     n, k = out.shape[1], a.shape[1]
+    # a K step must lie within one quantisation group (the kernel reads one zero point and scale per step)
+    cfg = {**cfg, "BK": math.gcd(cfg["BK"], weight.group_size)}
     grid = (block_expert.numel() * triton.cdiv(n, cfg["BN"]),)
     _grouped_kernel[grid](
         a, rows, block_expert, qw, qz, sc, routing if routing is not None else out, out,
