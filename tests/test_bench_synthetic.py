@@ -158,3 +158,20 @@ def test_batch_decode_shapes_are_parsed_or_refused_by_name():
     for bad in ("8", "8x0", "x3", "8x6"):
         with pytest.raises(UserError, match=f"--batch-decode: '{bad}' is not BxM"):
             parse_batch_shapes(bad)
+
+
+def test_each_int4_gemm_path_covers_dense_only_models_and_restores_the_default(monkeypatch):
+    """A model with dense INT4 weights and no routed experts (the 27B's layout) gets both paths for its decode
+    batches, none for prefill (only the experts change it there), and is left on ROOFLINE_INT4_GEMM's path."""
+    from roofline.bench.synthetic import _each_int4_gemm
+    from roofline.quant import Int4Weight
+
+    monkeypatch.delenv("ROOFLINE_INT4_GEMM", raising=False)
+    root = torch.nn.Module()
+    root.proj = Int4Weight(128, 256, group_size=128)
+    seen = []
+    for kind in _each_int4_gemm(root, "any"):
+        seen.append((kind, root.proj.gemm))
+    assert seen == [("dequant", "dequant"), ("triton", "triton")] and root.proj.gemm == "dequant"
+    assert list(_each_int4_gemm(root, "experts")) == [None] and root.proj.gemm == "dequant"
+    assert root.max_graph_rows == 16

@@ -156,18 +156,34 @@ def decode_ms(run: SyntheticRun, m: int, repeats: int) -> tuple[float, float]:
     return step_ms, device_ms(buf.graph.replay, repeats)
 
 
+def _each_int4_gemm(model, weights: str):
+    """Each INT4 many-rows path (`INT4_GEMM_KINDS`) that some of `model`'s INT4 `weights` ("experts": routed
+    experts, which alone change a prefill; "any": dense ones too) take, with the model switched to it; None once
+    where none does. Afterwards the model is back on the path ROOFLINE_INT4_GEMM asks for."""
+    def taken(kind: str) -> int:
+        counts = use_int4_gemm(model, kind)
+        return counts["experts"] if weights == "experts" else sum(counts.values())
+
+    try:
+        kinds = [k for k in INT4_GEMM_KINDS if taken(k)]
+        for kind in kinds:
+            use_int4_gemm(model, kind)
+            yield kind
+        if not kinds:
+            yield None
+    finally:
+        use_int4_gemm(model, int4_gemm_wanted())
+
+
 def batch_decode(model, shapes=((8, 1), (8, 3)), repeats: int = 10, capacity: int = 2048, warmup: int = 3) -> list[dict]:
     """Decode steps of B sequences x M tokens (batched serving; M > 1: MTP verify rows), context ~16, by each INT4
     many-rows path (`INT4_GEMM_KINDS`): past 4 dense rows the default dequantises each INT4 weight per step, past 16
     expert rows it loops over experts and runs without a CUDA graph; "triton" keeps such steps on one kernel and in a
     graph. Per row: the step (inputs in, replay or eager run, argmax read back), whether it was captured, and the
     tokens it carries per second. A pool of its own (B slots of `capacity` tokens)."""
-    kinds = [k for k in INT4_GEMM_KINDS if use_int4_gemm(model, k)] or [None]
     cfg = model.config
     rows = []
-    for kind in kinds:
-        if kind:
-            use_int4_gemm(model, kind)
+    for kind in _each_int4_gemm(model, "any"):
         pool = CachePool(cfg, cfg.layer_types, max(b for b, _ in shapes), capacity, model.device, model.dtype)
         graphs = DecodeGraphs(model, pool, pool.num_slots, use_graphs=model.device.type == "cuda")
         for b, m in shapes:
@@ -187,8 +203,6 @@ def batch_decode(model, shapes=((8, 1), (8, 3)), repeats: int = 10, capacity: in
             for cache in caches:
                 pool.release(cache)
         del graphs, pool
-    if kinds != [None]:
-        use_int4_gemm(model, int4_gemm_wanted())
     return rows
 
 
@@ -348,12 +362,9 @@ def engine_prefill(model, prompts=(4096,), repeats: int = 2, warmup_tokens: int 
     max_num_batched_tokens; on CUDA each row has the peak memory of its prefills (the caller's peak is kept)."""
     vocab = model.config.vocab_size
     engine = _one_sequence_engine(model, max(*prompts, warmup_tokens) + 2)
-    kinds = [k for k in INT4_GEMM_KINDS if use_int4_gemm(model, k)] or [None]
     cuda = model.device.type == "cuda"
     rows = []
-    for kind in kinds:
-        if kind:
-            use_int4_gemm(model, kind)
+    for kind in _each_int4_gemm(model, "experts"):
         for index, n in enumerate((warmup_tokens, *prompts)):
             ids = [(7919 * i + 13) % vocab for i in range(n)]  # varied ids, the same every run
             times = []
@@ -372,8 +383,6 @@ def engine_prefill(model, prompts=(4096,), repeats: int = 2, warmup_tokens: int 
                              "first_token": seq.output_ids[0], "first_token_as_first_kind": seq.output_ids[0] == first,
                              "max_num_batched_tokens": engine.max_num_batched_tokens,
                              "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None})
-    if kinds != [None]:
-        use_int4_gemm(model, int4_gemm_wanted())
     return rows
 
 

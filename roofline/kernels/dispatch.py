@@ -134,26 +134,28 @@ def _int4_weights(model: torch.nn.Module):
                 yield proj.merged
 
 
-def use_int4_gemm(model: torch.nn.Module, kind: str) -> int:
-    """Give the INT4 weights of `model` the many-rows path `kind` (INT4_GEMM_KINDS); returns how many routed-expert
-    modules took it (experts whose weights the kernel cannot read stay on the loop, and the log says why). With
+def use_int4_gemm(model: torch.nn.Module, kind: str) -> Counter:
+    """Give the INT4 weights of `model` the many-rows path `kind` (INT4_GEMM_KINDS); returns how many took it:
+    routed-expert modules ("experts") and dense weights ("dense"). Weights the kernel cannot read stay on the
+    dequantising path (the experts on their loop), and the log says why. With
     "triton" on every expert module, `model.max_graph_rows` lets decode steps of TRITON_GRAPH_ROWS rows be captured."""
     from .int4_gemm import experts_blocker, gemm_blocker
 
-    taken, refused = 0, 0
+    taken, refused = Counter(), 0
     for module in model.modules():
         if isinstance(module, Experts) and isinstance(module.forward, partial) and module.forward.func is _experts:
             why = experts_blocker(module.gate_up, module.down) if kind == "triton" else None
             if why:
                 log.warning("routed experts past %d rows loop over experts, not the grouped kernel: %s", MAX_EXPERT_TOKENS, why)
             module.gemm = "dequant" if why else kind
-            taken += not why
+            taken["experts"] += not why
             refused += bool(why)
     kept = Counter()
     for weight in _int4_weights(model):
         why = gemm_blocker(weight) if kind == "triton" else None
         weight.gemm = "dequant" if why else kind
         kept[why] += bool(why)
+        taken["dense"] += not why
     for why, count in kept.items():
         if count:
             log.warning("%d dense INT4 weights past %d rows dequantise first, not the INT4 GEMM: %s", count,
