@@ -150,6 +150,14 @@ def test_route_top_k_reads_strided_logits():
     assert torch.equal(got_e, want_e) and torch.equal(got_w, want_w)
 
 
+def assert_same_routing(got, want):
+    """The same experts in the same order, and their weights within fp32 rounding: the one-launch router's softmax
+    runs in its GEMV's epilogue, whose exp and sum differ from route_top_k's in the last bits (an H200 showed
+    equal experts and weights equal to 5 digits, not bit for bit)."""
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-12)
+
+
 @runs_here
 @pytest.mark.parametrize("merged", [True, False])
 def test_router_gemv_routes_as_the_top_k_kernel(merged):
@@ -176,8 +184,7 @@ def test_router_gemv_routes_as_the_top_k_kernel(merged):
     x = torch.randn(2, 256, device=DEVICE).to(dtype)
     experts, weights, gate_logit = _route(moe, x)
     logits = gate(x)
-    want_e, want_w = route_top_k(logits, 8)
-    assert torch.equal(experts, want_e) and torch.equal(weights, want_w)
+    assert_same_routing((experts, weights), route_top_k(logits, 8))
     assert torch.equal(gate_logit, shared_gate(x))  # merged: the router's last output column
 
     # the layer's norm in the router's prologue (blocks.norm_in_gemvs), at 2 rows (one launch) and 3 (the GEMV, then
@@ -197,4 +204,5 @@ def test_router_gemv_routes_as_the_top_k_kernel(merged):
         experts, weights, gate_logit = _route(moe, h, norm)
         assert (norm.normed.float() - want_normed.float()).abs().max() <= 1e-2 * want_normed.float().abs().max()
         want_e, want_w, want_gate = _route(moe, norm.normed)
-        assert torch.equal(experts, want_e) and torch.equal(weights, want_w) and torch.equal(gate_logit, want_gate)
+        assert_same_routing((experts, weights), (want_e, want_w))
+        assert torch.equal(gate_logit, want_gate)

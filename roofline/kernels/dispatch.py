@@ -110,15 +110,17 @@ def _int8(weight: Int8RowWeight, x: torch.Tensor, expert: int | None = None) -> 
 # torch, the routed experts one at a time (~12 launches an expert and a host read a layer, so such decode steps run
 # outside CUDA graphs). "triton": int4_gemm.py's kernel: routed experts grouped by expert in two launches at any row
 # count, dense weights up to GEMM_MAX_ROWS rows in one, nothing read back, so decode steps of up to
-# TRITON_GRAPH_ROWS rows are captured. "triton" is opt-in until it has run on a GPU (written in session 12 without
-# one). ROOFLINE_INT4_GEMM=dequant|triton at install; `use_int4_gemm` switches a model (the benchmark).
+# TRITON_GRAPH_ROWS rows are captured. "triton" is the default since its first H200 run (2026-12-05,
+# benchmarks/NOTES-kernels.md "Session 13"): the 122B's routed experts of one MoE layer at 4K prompt tokens 3.5 ms
+# against the loop's 55 ms, at a 24-row decode batch 0.86 against 51 ms; in_proj_qkv+z at 6 / 48 rows 48 / 69 us
+# against 94 / 95. ROOFLINE_INT4_GEMM=dequant|triton at install; `use_int4_gemm` switches a model (the benchmark).
 INT4_GEMM_ENV = "ROOFLINE_INT4_GEMM"
 INT4_GEMM_KINDS = ("dequant", "triton")
 TRITON_GRAPH_ROWS = 80  # 16 sequences x 5 tokens (an MTP-4 verify)
 
 
 def int4_gemm_wanted() -> str:
-    kind = os.environ.get(INT4_GEMM_ENV, "dequant")
+    kind = os.environ.get(INT4_GEMM_ENV, "triton")
     if kind not in INT4_GEMM_KINDS:
         raise UserError(f"{INT4_GEMM_ENV} must be one of {', '.join(INT4_GEMM_KINDS)}, got {kind!r}")
     return kind
@@ -454,17 +456,18 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
         gemm = int4_gemm_wanted()
         use_int4_gemm(model, gemm)
         if gemm == "triton":
-            installed["int4 gemm for many rows: experts grouped, dense up to 64 rows (ROOFLINE_INT4_GEMM=triton, "
-                      "experiment)"] += 1
+            installed["int4 gemm for many rows: experts grouped, dense up to 64 rows"] += 1
         else:
             log.info("INT4 calls past the decode kernels' rows dequantise the weight first, the routed experts one at a "
-                     "time, and decode steps past %d rows run outside CUDA graphs (ROOFLINE_INT4_GEMM=triton: the INT4 "
-                     "GEMM kernel, not yet run on a GPU)", MAX_EXPERT_TOKENS)
+                     "time, and decode steps past %d rows run outside CUDA graphs (ROOFLINE_INT4_GEMM=dequant; the "
+                     "default, triton, is the grouped INT4 GEMM kernel)", MAX_EXPERT_TOKENS)
     if installed["int8 lm_head"]:
         from .int8_lm_head import DOT_ROWS
 
         if DOT_ROWS:
-            installed["int8 lm_head on the tensor cores at 2..4 rows (ROOFLINE_INT8_DOT=1, experiment)"] += 1
+            installed["int8 lm_head on the tensor cores"] += 1
+        else:
+            log.info("INT8 LM head on the lanes loop, not the tensor cores (ROOFLINE_INT8_DOT=0)")
     if device.type == "cuda":
         from ._common import PDL_ENABLED, SECOND_STREAM, pdl_supported
 

@@ -103,12 +103,14 @@ def _grouped_kernel(a_ptr, rows_ptr, block_expert_ptr, qw_ptr, qz_ptr, sc_ptr, r
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + c[None, :], acc.to(dtype), mask=valid[:, None] & c_mask[None, :])
 
 
-def _config(rows: int | None = None) -> dict:
-    """Tiles for `rows` rows per group (None: many, prefill). A guess, swept by benchmarks/kernels.py."""
+def _config(rows: int | None = None, experts: bool = False) -> dict:
+    """Tiles for `rows` rows per group (None: many, prefill), from the H200 sweep (benchmarks/kernels.py --only
+    int4_gemm, NOTES-kernels.md session 13): the grouped experts at 24 tokens (~1.4 rows an expert) 650 us with
+    BN 128 / BK 128 against 703 with BN 64; a dense weight at 6 rows within 3% across the six tried."""
     if INTERPRET:
         return {"BM": 16, "BN": 32, "BK": 32, "num_warps": 1}
     if rows is not None and rows <= 16:
-        return {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3}
+        return {"BM": 16, "BN": 128 if experts else 64, "BK": 128, "num_warps": 4, "num_stages": 3}
     return {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3}
 
 
@@ -185,9 +187,9 @@ def grouped_experts(x: torch.Tensor, top_experts: torch.Tensor, top_weights: tor
                     config: dict | None = None) -> torch.Tensor:
     """`Experts.forward(x, top_experts, top_weights)` for INT4 gate_up [E, 2I, H] / down [E, H, I] weights in two
     grouped launches per `TOKEN_CHUNK` tokens; `config` (BM, BN, BK, num_warps, num_stages) replaces the default."""
-    cfg = config or _config()
     t, h = x.shape
     k = top_experts.shape[1]
+    cfg = config or _config(-(-t * k // gate_up.num_experts), experts=True)  # rows an expert on average
     inter = down.in_features
     x = x.contiguous()
     out = torch.empty_like(x)

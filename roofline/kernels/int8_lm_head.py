@@ -10,11 +10,13 @@ large (248320), so the grid needs no split of H.
 
 With 2..4 rows that loop is instruction-bound (M FMAs per weight byte plus x's conversions: ~21
 instructions a byte at M = 4; H200: 0.61 / 0.45 / 0.45 of copy bandwidth at M = 2 / 3 / 4). The
-tensor-core variant (`_int8_rows_dot_kernel`, an experiment: `ROOFLINE_INT8_DOT=1` for 2..4 rows)
+tensor-core variant (`_int8_rows_dot_kernel`, the default for 16-bit x; `ROOFLINE_INT8_DOT=0` keeps the loop)
 converts each [BV, BH] weight tile to x's 16-bit type (exact for int8) and multiplies it with x^T
 padded to 16 token columns (tl.dot's smallest N) in fp32, so a byte costs its conversion and the
 products go to the tensor cores; Triton's loop pipelining keeps `num_stages` tiles in flight.
-Written and tested in the interpreter; not yet timed on a GPU.
+H200 (2026-12-05, benchmarks/NOTES-kernels.md "Session 13"), 248320 x 3072, swept: 32 vocabulary rows x 256 bytes
+on 2 warps, 3 tiles in flight, takes 183 / 178 / 179 / 191 us at M = 1 / 2 / 3 / 4 against the loop's 213 / 257 /
+355 / 358 (the loop falls to 0.50 of copy bandwidth at M = 3 and 4), so it runs at every row count.
 """
 
 from __future__ import annotations
@@ -107,8 +109,8 @@ def _int8_rows_dot_kernel(
              mask=v_mask[:, None] & (tok < M)[None, :])
 
 
-# The tensor-core variant for 2..4 rows, until a GPU run says whether it beats the lanes loop there.
-DOT_ROWS = os.environ.get("ROOFLINE_INT8_DOT", "0") == "1"
+# The tensor-core variant for 16-bit x at 1..4 rows (faster at each: see the module docstring).
+DOT_ROWS = os.environ.get("ROOFLINE_INT8_DOT", "1") != "0"
 
 
 def default_config(m: int) -> dict:
@@ -119,21 +121,21 @@ def default_config(m: int) -> dict:
 
 
 def default_dot_config() -> dict:
-    """A first guess (not swept yet): 64 vocabulary rows (one warpgroup's MMA height) x 128 bytes, 4 tiles in flight."""
+    """The H200 sweep's best of seven (benchmarks/NOTES-kernels.md, session 13): 32 vocabulary rows x 256 bytes."""
     if INTERPRET:
         return {"BV": 16, "BH": 32, "num_warps": 1}
-    return {"BV": 64, "BH": 128, "num_warps": 4, "num_stages": 4}
+    return {"BV": 32, "BH": 256, "num_warps": 2, "num_stages": 3}
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, out_dtype=None, out=None,
                 config: dict | None = None, dot: bool | None = None) -> torch.Tensor:
     """logits = (x @ q^T) * scale for x [..., H] with 1..4 rows, q int8 [V, H], scale [V] or [V, 1]. `dot`: the
-    tensor-core variant (default: for 2..4 rows where ROOFLINE_INT8_DOT=1)."""
+    tensor-core variant (default: for 16-bit x unless ROOFLINE_INT8_DOT=0)."""
     v, h = weight.shape
     x2, lead = decode_rows(x, h, "int8_matmul")
     m = x2.shape[0]
     if dot is None:  # fp32 x would multiply in TF32 on the tensor cores: the lanes loop keeps it exact
-        dot = DOT_ROWS and m > 1 and x.dtype in (torch.float16, torch.bfloat16)
+        dot = DOT_ROWS and x.dtype in (torch.float16, torch.bfloat16)
     cfg = default_dot_config() if dot else default_config(m)
     cfg.update(config or {})
     if out is None:
