@@ -85,19 +85,20 @@ def test_synthetic_command_on_gpu(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU runs it in the command above")
-def test_prefill_rows_time_each_int4_many_rows_path(caplog):
+def test_prefill_rows_time_each_int4_many_rows_path(caplog, monkeypatch):
     """The default layout's INT4 weights prefill by dequantising (experts in a loop) and by the Triton GEMM (experts
     grouped), in the interpreter, each timed with its own warm-up; the first tokens agree; the model is left as
-    ROOFLINE_INT4_GEMM asks (dequant)."""
+    ROOFLINE_INT4_GEMM asks (here dequant, which the log names)."""
     pytest.importorskip("triton")
     from roofline.bench.synthetic import engine_prefill, format_report
     from roofline.kernels.dispatch import install_fast_path
     from roofline.model.layers import Experts
 
     model, _ = build_synthetic_model("tiny", LAYOUT, "cpu", torch.float32)
+    monkeypatch.setenv("ROOFLINE_INT4_GEMM", "dequant")
     with caplog.at_level("INFO", logger="roofline.kernels"):
         install_fast_path(model, allow_cpu=True)
-    assert "(ROOFLINE_INT4_GEMM=triton: the INT4 GEMM kernel, not yet run on a GPU)" in caplog.text
+    assert "(ROOFLINE_INT4_GEMM=dequant; the default, triton, is the grouped INT4 GEMM kernel)" in caplog.text
     rows = engine_prefill(model, prompts=(24,), repeats=1, warmup_tokens=17)
     assert [(p["prompt_tokens"], p["int4_gemm"]) for p in rows] == [(24, "dequant"), (24, "triton")]
     assert all(p["ms"] > 0 for p in rows) and rows[1]["first_token_as_first_kind"]
@@ -135,10 +136,11 @@ def test_engine_loop_measures_async_scheduling_on_the_synthetic_model():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU runs it in the command above")
-def test_batch_decode_rows_time_each_int4_many_rows_path():
+def test_batch_decode_rows_time_each_int4_many_rows_path(monkeypatch):
     """6 sequences x 3 tokens (18 rows: past the expert kernels' 16) by both INT4 many-rows paths, on the default
-    layout in the interpreter (no CUDA: nothing is captured); the model is left on the default path."""
+    layout in the interpreter (no CUDA: nothing is captured); the model is left on the default path (triton)."""
     pytest.importorskip("triton")
+    monkeypatch.delenv("ROOFLINE_INT4_GEMM", raising=False)
     from roofline.bench.synthetic import batch_decode
     from roofline.kernels.dispatch import install_fast_path
 
@@ -147,7 +149,7 @@ def test_batch_decode_rows_time_each_int4_many_rows_path():
     rows = batch_decode(model, [(6, 3)], repeats=1, capacity=64, warmup=0)
     assert [(r["sequences"], r["m"], r["rows"], r["int4_gemm"]) for r in rows] == [(6, 3, 18, "dequant"), (6, 3, 18, "triton")]
     assert all(r["step_ms"] > 0 and not r["cuda_graph"] and r["row_tokens_per_s"] > 0 for r in rows)
-    assert model.max_graph_rows == 16
+    assert model.max_graph_rows == 80
 
 
 def test_batch_decode_shapes_are_parsed_or_refused_by_name():
@@ -162,7 +164,8 @@ def test_batch_decode_shapes_are_parsed_or_refused_by_name():
 
 def test_each_int4_gemm_path_covers_dense_only_models_and_restores_the_default(monkeypatch):
     """A model with dense INT4 weights and no routed experts (the 27B's layout) gets both paths for its decode
-    batches, none for prefill (only the experts change it there), and is left on ROOFLINE_INT4_GEMM's path."""
+    batches, none for prefill (only the experts change it there), and is left on ROOFLINE_INT4_GEMM's path (the
+    default, triton, when unset)."""
     from roofline.bench.synthetic import _each_int4_gemm
     from roofline.quant import Int4Weight
 
@@ -172,6 +175,6 @@ def test_each_int4_gemm_path_covers_dense_only_models_and_restores_the_default(m
     seen = []
     for kind in _each_int4_gemm(root, "any"):
         seen.append((kind, root.proj.gemm))
-    assert seen == [("dequant", "dequant"), ("triton", "triton")] and root.proj.gemm == "dequant"
-    assert list(_each_int4_gemm(root, "experts")) == [None] and root.proj.gemm == "dequant"
-    assert root.max_graph_rows == 16
+    assert seen == [("dequant", "dequant"), ("triton", "triton")] and root.proj.gemm == "triton"
+    assert list(_each_int4_gemm(root, "experts")) == [None] and root.proj.gemm == "triton"
+    assert root.max_graph_rows == 80
