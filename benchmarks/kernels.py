@@ -470,8 +470,9 @@ def bench_int4_gemm(b: Bench, quick: bool):
     experts in a loop) at 122B shapes, blocked order: the routed experts of one MoE layer at prefill (4K tokens,
     compute-bound: TFLOP/s in the note) and at a decode batch past the expert kernels' 16 rows (24 tokens: 8
     sequences x MTP-2 verify), and the GDN in_proj_qkv+z (20480 x 3072) at 6 and 48 rows."""
-    from roofline.kernels.dispatch import _block, many_rows_forward
+    from roofline.kernels.dispatch import MAX_EXPERT_TOKENS, _block, int4_config, many_rows_forward
     from roofline.kernels.int4_dequant import dequantize_int4
+    from roofline.kernels.int4_experts import experts_down, experts_gate_up
     from roofline.kernels.int4_gemm import grouped_experts, int4_gemm
     from roofline.model.layers import Experts
     from roofline.quant import Int4Weight
@@ -486,6 +487,12 @@ def bench_int4_gemm(b: Bench, quick: bool):
     e, h, inter, topk = 256, HIDDEN, 1024, 8
     module = Experts(e, h, inter)
     module.gate_up, module.down = int4_weight(2 * inter, h, e), int4_weight(h, inter, e)
+
+    def decode_experts(x, experts, weights):
+        gu, dn = module.gate_up, module.down
+        act = experts_gate_up(x, experts, gu.qweight, gu.qzeros, gu.scales, 128, sym=True, config=int4_config(gu))
+        return experts_down(act, experts, weights, dn.qweight, dn.qzeros, dn.scales, 128, sym=True, config=int4_config(dn))
+
     for tokens in (24, 4096) if quick else (24, 512, 4096):
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
         experts = torch.rand(tokens, e, device="cuda").topk(topk, dim=-1).indices
@@ -501,6 +508,11 @@ def bench_int4_gemm(b: Bench, quick: bool):
         if b.sweep:
             b.try_configs("int4_gemm experts", shape, nbytes, make, _gemm_configs(tokens * topk <= 256))
         grouped = median_us(make(None))
+        if tokens <= 2 * MAX_EXPERT_TOKENS:  # would the decode kernels in chunks of 16 tokens beat it at batch sizes?
+            b.record("int4 experts, 16-token chunks", shape, nbytes, median_us(lambda x=x, e=experts, w=weights: [
+                decode_experts(x[s:s + MAX_EXPERT_TOKENS], e[s:s + MAX_EXPERT_TOKENS], w[s:s + MAX_EXPERT_TOKENS])
+                for s in range(0, tokens, MAX_EXPERT_TOKENS)]), baseline=grouped,
+                note="int4_experts' decode kernels (gate_up, down) per chunk of 16 tokens; baseline: int4_gemm grouped")
         loop = device_ms(lambda: Experts.forward(module, x, experts, weights), repeats=2, warmup=1) * 1e3
         b.record("int4_gemm experts", shape, nbytes, grouped, baseline=loop,
                  note=f"grouped {flop / grouped / 1e6:.0f} TFLOP/s; baseline: the loop over experts, each dequantised "
