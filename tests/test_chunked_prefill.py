@@ -152,7 +152,7 @@ def test_attention_over_a_cached_prefix_is_causal_from_the_newest_positions():
 @pytest.mark.gpu
 def test_attention_over_a_cached_prefix_at_the_122b_shape_gpu():
     """bf16, 32 query / 2 KV heads of 256 dims: a 512-token chunk after 3000 cached tokens (SDPA's flash kernel with
-    the lower-right causal bias), and a whole 700-token prompt."""
+    the lower-right causal bias), a whole 700-token prompt, and the memory of an 8K chunk after 24K tokens."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     layer = types.SimpleNamespace(head_dim=256)
@@ -161,3 +161,15 @@ def test_attention_over_a_cached_prefix_at_the_122b_shape_gpu():
         keys, values = (torch.randn(big_t, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         got = GatedAttention.attend(layer, q, keys, values)
         torch.testing.assert_close(got.float(), masked_attention(q, keys, values, 256**-0.5), rtol=2e-2, atol=2e-2)
+    # an 8K chunk over 32K tokens (the 122B's prefill at its default --max-num-batched-tokens): SDPA's fallback
+    # kernel would materialise [32, 8192, 32768] fp32 scores, 32 GiB, and ran out of memory on an H200
+    q = torch.randn(8192, 32, 256, device="cuda", dtype=torch.bfloat16)
+    keys, values = (torch.randn(32768, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = GatedAttention.attend(layer, q, keys, values)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert extra < 2 << 30, f"attention over the prefix took {extra / 2**30:.1f} GiB beyond its inputs"

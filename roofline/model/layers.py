@@ -140,13 +140,28 @@ class GatedAttention(nn.Module):
 
     def attend(self, q, keys, values):
         """Causal GQA attention of the t newest positions q [t, H, d] over cached keys/values [T, Hkv, d] (key j at
-        position j; q row i at position T - t + i). The lower-right causal bias lets SDPA take its flash /
-        memory-efficient kernels on CUDA instead of reading a [t, T] mask (16 GB for a 128K-token prompt)."""
+        position j; q row i at position T - t + i). The lower-right causal bias lets SDPA take its flash kernel on
+        CUDA instead of materialising [H, t, T] scores (32 GiB for an 8K chunk over 32K tokens on the 122B: an
+        H200 ran out of memory there while the inputs had no batch axis, which flash requires)."""
+        q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, keys, values))  # [1, heads, positions, d]
+        gqa = q4.shape[1] != k4.shape[1]
+        if gqa and q4.is_cuda and not flash_takes(q4, k4, v4):
+            # flash refuses these grouped heads here: give every query head its KV head, linear in T (the
+            # scores SDPA's other kernels would fall back to grow with t x T)
+            k4, v4 = (t.repeat_interleave(q4.shape[1] // k4.shape[1], dim=1) for t in (k4, v4))
+            gqa = False
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=causal_lower_right(q.shape[0], keys.shape[0]), scale=self.head_dim**-0.5, enable_gqa=True,
+            q4, k4, v4, attn_mask=causal_lower_right(q.shape[0], keys.shape[0]), scale=self.head_dim**-0.5,
+            enable_gqa=gqa,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
+
+
+def flash_takes(q, k, v) -> bool:
+    """Whether SDPA's flash kernel accepts these [1, heads, positions, d] CUDA inputs with grouped KV heads."""
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))  # as CausalBias asks
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
