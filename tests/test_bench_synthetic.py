@@ -178,3 +178,37 @@ def test_each_int4_gemm_path_covers_dense_only_models_and_restores_the_default(m
     assert seen == [("dequant", "dequant"), ("triton", "triton")] and root.proj.gemm == "triton"
     assert list(_each_int4_gemm(root, "experts")) == [None] and root.proj.gemm == "triton"
     assert root.max_graph_rows == 80
+
+
+def test_a_failed_part_is_recorded_by_name_and_the_parts_around_it_kept():
+    """An optional part of bench synthetic that raises (the 122B's 32K prefill ran out of memory on an H200 and took
+    the whole run's results with it) is recorded under "errors" with its name; the others stay, and the report
+    says which part was not measured."""
+    from roofline.bench.synthetic import format_report, measured_part
+
+    recorded = Path(__file__).parents[1] / "benchmarks/results/2026-12-05-synthetic-qwen3.5-122b-a10b-h200-session13.json"
+    result, said = json.loads(recorded.read_text()), []
+    assert measured_part(result, "batch_decode", lambda: [], said.append) and result["batch_decode"] == []
+
+    def out_of_memory():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 32.00 GiB")
+
+    assert not measured_part(result, "prefill", out_of_memory, said.append)
+    assert "prefill" not in result and "engine_loop" in result
+    assert result["errors"] == [{"part": "prefill", "error": "RuntimeError: CUDA out of memory. Tried to allocate 32.00 GiB"}]
+    assert said == ["prefill FAILED, not measured: RuntimeError: CUDA out of memory. Tried to allocate 32.00 GiB"]
+    report = format_report(result)
+    assert "NOT MEASURED: prefill failed: RuntimeError: CUDA out of memory" in report and "| 0 | 5.65 |" in report
+
+
+def test_the_command_writes_what_was_measured_and_exits_non_zero_when_a_part_failed(tmp_path, monkeypatch, capsys):
+    from roofline.bench import synthetic
+    from roofline.cli import main
+
+    recorded = Path(__file__).parents[1] / "benchmarks/results/2026-12-05-synthetic-qwen3.5-122b-a10b-h200-session13.json"
+    result = {**json.loads(recorded.read_text()), "errors": [{"part": "prefill", "error": "RuntimeError: out of memory"}]}
+    monkeypatch.setattr(synthetic, "run_synthetic", lambda *a, **kw: result)
+    out = tmp_path / "r.json"
+    assert main(["bench", "synthetic", "--shape", "qwen3.5-122b-a10b", "--out", str(out)]) == 1
+    assert json.loads(out.read_text())["errors"] == result["errors"]
+    assert "bench synthetic: prefill failed" in capsys.readouterr().err

@@ -392,6 +392,22 @@ def _pool_bytes(pool: CachePool) -> tuple[int, int]:
     return 2 * state, pool.kv_bytes_per_token
 
 
+def measured_part(result: dict, name: str, measure, progress) -> bool:
+    """result[name] = measure(); if it raises (a prefill out of memory, say), the error goes to result["errors"]
+    instead, with the section's name, so the parts measured before and after it are still written; the command
+    then exits non-zero. Returns whether the part was measured."""
+    try:
+        result[name] = measure()
+        return True
+    except Exception as exc:  # any failure: recorded by name in the result and reported, never dropped
+        message = f"{type(exc).__name__}: {exc}"
+        result.setdefault("errors", []).append({"part": name, "error": message[:2000]})
+        progress(f"{name} FAILED, not measured: {message[:500]}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return False
+
+
 def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768), verify_tokens=(2, 3, 4),
                   repeats: int = 50, acceptance=(0.95, 0.80), layers: int | None = None, capacity: int = 262144,
                   device: str = "cuda", progress=print, profile: bool = False, engine_tokens: int = 256,
@@ -469,18 +485,15 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                          "modelled": modelled_mtp(verify[1], verify_k, draft, acceptance),
                          "draft_vocab": DRAFT_VOCAB, "draft_step_ms_small_vocab": small,
                          "modelled_small_vocab": modelled_mtp(verify[1], verify_k, small, acceptance)}
-    if batches:
-        result["batch_decode"] = batch_decode(model, batches, repeats)
+    if batches and measured_part(result, "batch_decode", lambda: batch_decode(model, batches, repeats), progress):
         progress("batched decode: " + ", ".join(f"{r['sequences']}x{r['m']} ({r['int4_gemm']}) {r['step_ms']:.2f} ms"
                                                  f"{'' if r['cuda_graph'] else ' eager'}" for r in result["batch_decode"]))
     peak_before_prefill = torch.cuda.max_memory_allocated()
-    if prefill:
-        result["prefill"] = engine_prefill(model, prefill)
-        torch.cuda.reset_peak_memory_stats()  # peak_memory_bytes stays the decode path's: prefill rows have their own
+    if prefill and measured_part(result, "prefill", lambda: engine_prefill(model, prefill), progress):
         progress("prefill: " + ", ".join(f"{r['prompt_tokens']} tokens{' (int4 gemm: %s)' % r['int4_gemm'] if r['int4_gemm'] else ''} "
                                          f"{r['ms']:.0f} ms ({r['tok_s']:.0f} tok/s)" for r in result["prefill"]))
-    if engine_tokens:
-        result["engine_loop"] = engine_loop(model, engine_tokens)
+    torch.cuda.reset_peak_memory_stats()  # peak_memory_bytes stays the decode path's: prefill rows have their own
+    if engine_tokens and measured_part(result, "engine_loop", lambda: engine_loop(model, engine_tokens), progress):
         for row in result["engine_loop"]:
             if "mtp" in row and "mtp" in result and row["mtp"] in result["mtp"]["verify_step_ms"]:
                 k = row["mtp"]  # what the step's captured parts add up to: verify(k + 1) + k drafts
@@ -559,4 +572,5 @@ def format_report(r: dict) -> str:
                              + ("as" if e["tokens_equal_without_mtp"] else "NOT as") + " without MTP")
     lines.append(f"\npeak GPU memory {r['peak_memory_bytes'] / 2**30:.1f} GiB (cache pool for {r['capacity_tokens']} tokens: "
                  f"{r['pool_bytes'] / 2**30:.2f} GiB)")
+    lines += [f"NOT MEASURED: {e['part']} failed: {e['error'][:300]}" for e in r.get("errors", [])]
     return "\n".join(lines)

@@ -275,6 +275,10 @@ def cmd_synthetic(args) -> int:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
     print(format_report(result))
+    if result.get("errors"):
+        print(f"bench synthetic: {', '.join(e['part'] for e in result['errors'])} failed (the JSON's \"errors\" has "
+              "why); the other parts were measured", file=sys.stderr)
+        return 1
     return 0
 
 
