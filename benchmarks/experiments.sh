@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The work written without a GPU and waiting for one (benchmarks/NOTES-kernels.md, sessions 11-12), in the order to
-# run it, as phases that each fit one 10-minute device call:
-#   OUT=... bash benchmarks/experiments.sh tests      # GPU tests of the untested parts (~5 min)
-#   OUT=... bash benchmarks/experiments.sh bench      # 122B at context 0: engine loop, prefill 4K/32K and 8-sequence
-#                                                     # decode steps by both INT4 many-rows paths (~6 min)
-#   OUT=... bash benchmarks/experiments.sh kernels    # INT8 dot and grouped-prefill sweeps (~3 min)
-#   OUT=... bash benchmarks/experiments.sh ab         # alternating A/B of the opt-in decode experiments (~8 min)
+# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 13" and its "For the next session"), in the
+# order to run it, as phases that each fit one 10-minute device call:
+#   OUT=... bash benchmarks/experiments.sh tests      # GPU tests not yet run on the current code (~5 min)
+#   OUT=... bash benchmarks/experiments.sh bench      # 122B at context 0: prefill 4K/32K (never measured yet), the
+#                                                     # engine loop (MTP-2's overhead), 8-sequence decode steps (~6 min)
+#   OUT=... bash benchmarks/experiments.sh kernels    # INT8 LM head around its tile, INT4 GEMM against the decode
+#                                                     # experts kernels in 16-token chunks (~2 min)
+#   OUT=... bash benchmarks/experiments.sh ab         # alternating A/B of the GDN b/a dots in the GDN kernel (~8 min)
 # Each step has its own time limit and writes under $OUT, so a failure or a timeout loses only itself. Set
 # ROOFLINE_COMMIT to the commit the tree is (the device copy's git metadata may not say). fla-core is installed
 # from .carry/ as synthetic.sh does.
@@ -29,28 +30,25 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  tests)  # the session-11/12 parts that have run only in the interpreter, then the pooled-decode and fast-path files
+  tests)  # session 13's prefill-attention fix (memory of an 8K chunk over 32K tokens), then the files a 150 s limit cut
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-    gpu_tests 90 -m gpu tests/test_int4_gemm.py tests/test_int4_blocked.py tests/test_int8_lm_head.py \
-      tests/test_chunked_prefill.py tests/test_sampling.py
+    gpu_tests 60 -m gpu tests/test_chunked_prefill.py tests/test_int8_lm_head.py
     gpu_tests 40 tests/test_small_ops.py -k router_gemv_routes  # unmarked tests: no -m gpu
-    gpu_tests 60 -m gpu tests/test_kernels.py -k "ba_dots or one_buffer"
-    gpu_tests 150 -m gpu tests/test_pooled_decode.py tests/test_fast_path.py tests/test_generate_cli.py
+    gpu_tests 240 -m gpu tests/test_pooled_decode.py tests/test_fast_path.py tests/test_generate_cli.py
     gpu_tests 150 -m gpu tests/test_bench_synthetic.py
     ;;
-  bench)  # engine loop rows (async scheduling off / on, MTP-2 against its parts); prefill (32K in four chunks of 8K:
-    # time to first token and peak memory) and 8 x 1 / 8 x 3 decode steps by both INT4 many-rows paths
+  bench)  # prefill (32K in four chunks of 8K: time to first token and peak memory), 8 x 1 / 8 x 3 decode steps by
+    # both INT4 many-rows paths, the engine loop with MTP-2 against its parts; a part that fails is recorded by name
     synthetic default 480 --prefill 4K,32K --engine-tokens 256 --batch-decode 8x1,8x3
     ;;
   kernels)
     timeout 300 python3 benchmarks/kernels.py --quick --only int8,int4_gemm 2>&1 | tail -40
     ;;
-  ab)  # each opt-in experiment against the default, alternating so drift shows: B A B A
+  ab)  # the experiment against the default, alternating so drift shows: B A B A
     for round in a b; do
       ROOFLINE_GDN_BA_IN_KERNEL=1 synthetic "ba-in-kernel-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
       synthetic "default-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
     done
-    ROOFLINE_INT8_DOT=1 synthetic int8-dot 110 --prefill 0 --engine-tokens 0 --batch-decode 0
     ;;
   *)
     echo "usage: OUT=DIR bash benchmarks/experiments.sh tests|bench|kernels|ab" >&2
