@@ -99,6 +99,25 @@ def test_top_k_keeps_ties_with_the_kth_score():
     assert probabilities(logits, SamplingParams(top_k=3)).nonzero().flatten().tolist() == [1, 2, 3]
 
 
+def test_top_k_over_candidates_equals_the_sort_of_the_whole_vocabulary():
+    """Where every row has a top_k, the filters order only the top largest_k + TIE_CANDIDATES scores (topk) instead
+    of sorting the vocabulary: the same kept scores, as the sort leaves them, for rows of different top_k / top_p,
+    and with ties at the k-th score (kept, as HF keeps them) within the candidates."""
+    from roofline.engine.sampling import TIE_CANDIDATES, _apply_top_k_top_p
+
+    torch.manual_seed(0)
+    scores = torch.randn(4, 3000) * 3
+    scores[3, 100:110] = scores[3].max() + 1  # ten ties at the top: top_k 5 keeps all ten
+    top_k = torch.tensor([[20], [5], [50], [5]])
+    top_p = torch.tensor([[0.8], [1.0], [0.95], [1.0]])
+    fast = _apply_top_k_top_p(scores, top_k, top_p, 50)
+    assert 50 + TIE_CANDIDATES < scores.shape[-1]  # the candidates path ran
+    assert torch.equal(fast, _apply_top_k_top_p(scores, top_k, top_p, scores.shape[-1]))  # the whole sort
+    assert torch.isfinite(fast[3]).nonzero().flatten().tolist() == list(range(100, 110))
+    kept = [int(torch.isfinite(row).sum()) for row in fast]
+    assert kept[1] == 5 and 1 <= kept[0] < 20 and 1 <= kept[2] < 50  # top_p cut rows 0 and 2 further
+
+
 def test_temperature_scales_before_the_filters():
     logits = torch.tensor([[2.0, 1.0, 0.0]])
     # Ratios to the top: exp(-1/T) and exp(-2/T), against min_p = 0.3.
