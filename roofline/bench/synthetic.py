@@ -160,16 +160,14 @@ def _each_int4_gemm(model, weights: str):
     """Each INT4 many-rows path (`INT4_GEMM_KINDS`) that some of `model`'s INT4 `weights` ("experts": routed
     experts, which alone change a prefill; "any": dense ones too) take, with the model switched to it; None once
     where none does. Afterwards the model is back on the path ROOFLINE_INT4_GEMM asks for."""
-    def taken(kind: str) -> int:
-        counts = use_int4_gemm(model, kind)
-        return counts["experts"] if weights == "experts" else sum(counts.values())
-
     try:
-        kinds = [k for k in INT4_GEMM_KINDS if taken(k)]
-        for kind in kinds:
-            use_int4_gemm(model, kind)
-            yield kind
-        if not kinds:
+        any_taken = False
+        for kind in INT4_GEMM_KINDS:
+            counts = use_int4_gemm(model, kind)
+            if counts["experts"] if weights == "experts" else sum(counts.values()):
+                any_taken = True
+                yield kind
+        if not any_taken:
             yield None
     finally:
         use_int4_gemm(model, int4_gemm_wanted())
