@@ -350,12 +350,14 @@ class Engine:
         rows: dict[int, torch.Tensor] = {}
         if pending is not None and any(s.draft is not None for s in active):
             ends = list(itertools.accumulate(len(p) for p in pending))
+            chunked = []
             for i, seq in enumerate(active):  # the MTP head will see these positions before its next draft
                 if seq.draft is not None:
                     rows[i] = hidden[ends[i] - len(pending[i]) : ends[i]].clone()  # a graph's output buffer is reused
                 if seq.draft is not None and not finishing[i]:  # a prompt chunk: the token after it is the prompt's
                     self.speculator.extend(seq.draft, rows[i], pending[i], seq.prompt_ids[starts[i] + len(pending[i])])
-                    self.speculator.catch_up([seq.draft])
+                    chunked.append(seq.draft)
+            self.speculator.catch_up(chunked)  # one head forward for every sequence that prefilled a chunk
         done = [i for i, f in enumerate(finishing) if f]
         if not done:
             return None
