@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 13" and its "For the next session"), in the
-# order to run it, as phases that each fit one 10-minute device call:
-#   OUT=... bash benchmarks/experiments.sh tests      # GPU tests not yet run on the current code (~5 min)
-#   OUT=... bash benchmarks/experiments.sh bench      # 122B at context 0: prefill 4K/32K (never measured yet), the
-#                                                     # engine loop (MTP-2's overhead), 8-sequence decode steps (~6 min)
-#   OUT=... bash benchmarks/experiments.sh kernels    # INT8 LM head around its tile, INT4 GEMM against the decode
-#                                                     # experts kernels in 16-token chunks (~2 min)
-#   OUT=... bash benchmarks/experiments.sh ab         # alternating A/B of the GDN b/a dots in the GDN kernel (~8 min)
+# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 14"), as phases that each fit one 10-minute
+# device call:
+#   OUT=... bash benchmarks/experiments.sh first    # GPU tests of the prefill-attention fix and the FP8 tensor-core
+#                                                   # variant, its sweep, an A/B of it end to end, the first prefill
+#                                                   # numbers (TTFT 4K / 32K by both INT4 many-rows paths), and a
+#                                                   # profiler trace of the engine's MTP step (~9.5 min)
+#   OUT=... bash benchmarks/experiments.sh tests    # the pooled-decode / fast-path / generate-CLI GPU files (~5 min)
+#   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
+#                                                   # experts kernels in 16-token chunks (~2 min)
+#   OUT=... bash benchmarks/experiments.sh ab       # alternating A/B of the GDN b/a dots in the GDN kernel (~8 min)
 # Each step has its own time limit and writes under $OUT, so a failure or a timeout loses only itself. Set
 # ROOFLINE_COMMIT to the commit the tree is (the device copy's git metadata may not say). fla-core is installed
 # from .carry/ as synthetic.sh does.
@@ -30,16 +32,18 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  tests)  # session 13's prefill-attention fix (memory of an 8K chunk over 32K tokens), then the files a 150 s limit cut
+  first)
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-    gpu_tests 60 -m gpu tests/test_chunked_prefill.py tests/test_int8_lm_head.py
-    gpu_tests 40 tests/test_small_ops.py -k router_gemv_routes  # unmarked tests: no -m gpu
+    gpu_tests 80 -m gpu tests/test_chunked_prefill.py tests/test_kernels.py -k "prefill or fp8 or dense_matmul or router_top_k or residual_and_norm"
+    timeout 140 python3 benchmarks/kernels.py --quick --only fp8,router 2>&1 | tail -60
+    ROOFLINE_FP8_DOT=1 synthetic fp8-dot 100 --prefill 0 --engine-tokens 0 --batch-decode 0
+    # prefill (32K in four chunks of 8K: time to first token and peak memory) after the decode rows of the default
+    synthetic default 190 --prefill 4K,32K --engine-tokens 0 --batch-decode 0
+    timeout 100 python3 benchmarks/profile_mtp_engine.py 2>&1 | tail -80
+    ;;
+  tests)  # the files a 150 s limit cut in session 13
     gpu_tests 240 -m gpu tests/test_pooled_decode.py tests/test_fast_path.py tests/test_generate_cli.py
     gpu_tests 150 -m gpu tests/test_bench_synthetic.py
-    ;;
-  bench)  # prefill (32K in four chunks of 8K: time to first token and peak memory), 8 x 1 / 8 x 3 decode steps by
-    # both INT4 many-rows paths, the engine loop with MTP-2 against its parts; a part that fails is recorded by name
-    synthetic default 480 --prefill 4K,32K --engine-tokens 256 --batch-decode 8x1,8x3
     ;;
   kernels)
     timeout 300 python3 benchmarks/kernels.py --quick --only int8,int4_gemm 2>&1 | tail -40
@@ -51,7 +55,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh tests|bench|kernels|ab" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|tests|kernels|ab" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,130 @@
+"""Where an MTP step through `Engine.step` spends its time, on the synthetic model (CUDA).
+
+Session 13 measured greedy MTP-2 through the engine at 9.58 ms a step on the 122B where its captured parts (the M = 3
+verify graph and two draft graphs) add up to 6.23 ms. This runs the same loop under torch.profiler, with the
+speculator's and the graph runner's methods labelled, and prints per step: wall time, GPU kernel time (busy) and
+the labelled regions' host time, then the host ops and GPU kernels that take the most. JSON under $OUT (or
+benchmarks/results/).
+
+    python benchmarks/profile_mtp_engine.py --shape qwen3.5-122b-a10b [--layers N] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from roofline.bench.synthetic import ENGINE_SAMPLING, _one_sequence_engine, build_synthetic_model
+from roofline.checkpoint.shapes import resolve_layout
+from roofline.engine.graphs import DecodeGraphs
+from roofline.engine.sampling import SamplingParams
+from roofline.engine.speculative import MtpSpeculator, SpeculativeConfig
+from roofline.kernels.dispatch import install_fast_path
+
+LABELLED = [(MtpSpeculator, "draft"), (MtpSpeculator, "verify"), (MtpSpeculator, "_head"), (MtpSpeculator, "_accept"),
+            (MtpSpeculator, "_verify_forward"), (DecodeGraphs, "run"), (DecodeGraphs, "keep"),
+            (DecodeGraphs, "buffers_for")]
+
+
+def label_methods():
+    """Wrap each LABELLED method in a profiler range named after it."""
+    for cls, name in LABELLED:
+        fn = getattr(cls, name)
+
+        @functools.wraps(fn)
+        def wrapped(*args, __fn=fn, __name=f"{cls.__name__}.{name}", **kwargs):
+            with record_function(__name):
+                return __fn(*args, **kwargs)
+
+        setattr(cls, name, wrapped)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3.5-122b-a10b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--mtp", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    formats = resolve_layout("hybrid", {"lm_head": "int8"})  # bench synthetic's default layout
+    model, _ = build_synthetic_model(args.shape, formats, "cuda", layers=args.layers)
+    install_fast_path(model)
+    label_methods()
+    engine = _one_sequence_engine(model, 16 + args.warmup * 4 + args.steps * 4 + 64,
+                                  speculative=SpeculativeConfig(args.mtp))
+    engine.add([1] * 16, SamplingParams(max_tokens=10**6, ignore_eos=True, **ENGINE_SAMPLING["greedy"]))
+    for _ in range(args.warmup):  # the prefill, then steps that capture every graph
+        engine.step()
+    torch.cuda.synchronize()
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            with record_function("Engine.step"):
+                engine.step()
+            walls.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+    n = args.steps
+    events = prof.key_averages()
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.device_time for e in gpu) if gpu else 0.0
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
+    kernels = sorted((e for e in events if e.device_time_total > 0), key=lambda e: e.device_time_total, reverse=True)
+    result = {
+        "shape": args.shape, "layers": args.layers, "mtp": args.mtp, "steps": n,
+        "step_ms_median": sorted(walls)[n // 2], "step_ms": walls,
+        "gpu_kernel_ms_per_step": busy_us / n / 1e3,
+        "regions_ms_per_step": {e.key: e.cpu_time_total / n / 1e3 for e in events
+                                if e.key.split(".")[0] in ("Engine", "MtpSpeculator", "DecodeGraphs")},
+        "host_ops_self_ms_per_step": [{"op": e.key, "calls": e.count / n, "ms": e.self_cpu_time_total / n / 1e3}
+                                      for e in host[:25]],
+        "gpu_kernels_ms_per_step": [{"kernel": e.key[:90], "calls": e.count / n, "ms": e.device_time_total / n / 1e3}
+                                    for e in kernels[:25]],
+    }
+    result["last_step"] = last_step_timeline(prof.events())
+    print(f"{args.shape}: MTP-{args.mtp} through Engine.step, median {result['step_ms_median']:.2f} ms a step, "
+          f"GPU kernels {result['gpu_kernel_ms_per_step']:.2f} ms a step")
+    print("regions (host ms a step):", json.dumps({k: round(v, 3) for k, v in result["regions_ms_per_step"].items()}))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=20))
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile-mtp-engine.json").write_text(json.dumps(result, indent=1))
+    print("last step:", json.dumps(result["last_step"], indent=1))
+
+
+def last_step_timeline(events) -> dict:
+    """The last Engine.step: its labelled host regions (start offset and length, us) and the GPU's work in bursts
+    (kernels less than 5 us apart), so idle stretches and what the host did meanwhile show."""
+    steps = [e for e in events if e.name == "Engine.step"]
+    if not steps:
+        return {}
+    t0, t1 = steps[-1].time_range.start, steps[-1].time_range.end
+    regions = [{"name": e.name, "at": round(e.time_range.start - t0, 1), "us": round(e.time_range.elapsed_us(), 1)}
+               for e in events if e.name.split(".")[0] in ("MtpSpeculator", "DecodeGraphs")
+               and t0 <= e.time_range.start <= t1]
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.time_range.start >= t0 - 50), key=lambda e: e.time_range.start)
+    bursts = []
+    for e in kernels:
+        start, end = e.time_range.start - t0, e.time_range.end - t0
+        if bursts and start - bursts[-1]["end"] < 5:
+            bursts[-1]["end"] = max(bursts[-1]["end"], end)
+            bursts[-1]["kernels"] += 1
+        else:
+            bursts.append({"start": start, "end": end, "kernels": 1, "first": e.name[:60]})
+    for b in bursts:
+        b["start"], b["end"] = round(b["start"], 1), round(b["end"], 1)
+    return {"host_us": round(t1 - t0, 1), "regions": sorted(regions, key=lambda r: r["at"]), "gpu_bursts": bursts[:60]}
+
+
+if __name__ == "__main__":
+    main()
