@@ -71,6 +71,8 @@ def test_synthetic_command_on_gpu(tmp_path):
     if not prof["programmatic_dependent_launch"]:  # kernels one after another: their time fits in the span
         assert prof["kernel_us_per_step"] <= prof["span_us_per_step"]
     assert any("gate_up" in k["name"] for k in prof["by_kernel"]), prof["by_kernel"][:5]  # the grouped experts kernel
+    m3 = r["kernel_profile_m3"]  # the MTP-2 verify step's kernels: the same layers, so at least as many launches
+    assert m3["kernels_per_step"] >= prof["kernels_per_step"] and m3["kernel_us_per_step"] > 0
     assert [(p["prompt_tokens"], p["int4_gemm"]) for p in r["prefill"]] == [(1024, "dequant"), (1024, "triton")]
     batch = {(d["sequences"], d["m"], d["int4_gemm"]): d for d in r["batch_decode"]}  # the default 8x1, 8x3
     assert set(batch) == {(8, m, k) for m in (1, 3) for k in ("dequant", "triton")}

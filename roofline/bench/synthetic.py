@@ -469,12 +469,14 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     parts["rest"] = whole - sum(parts.values())
     result["breakdown_ms"] = {"whole_step_graph": whole, **parts,
                               "note": "each component captured alone over all layers; rest = whole step - their sum"}
-    if profile:
-        buf = run.graphs.run([1], [run.cache], 1)
-        result["kernel_profile"] = kernel_profile(buf.graph.replay, "programmatic dependent launch" in fast.installed)
-        kp = result["kernel_profile"]
-        progress(f"profile: {kp.get('kernels_per_step', 0):.0f} kernels per step, "
-                 f"{kp.get('kernel_us_per_step', 0) / 1e3:.3f} ms busy in a {kp.get('span_us_per_step', 0) / 1e3:.3f} ms span")
+    if profile:  # the one-token step, and the MTP-2 verify step (M = 3) beside it: which kernels its extra time is in
+        for m, key in ((1, "kernel_profile"), (3, "kernel_profile_m3")):
+            if m == 1 or m in verify_tokens:
+                buf = run.graphs.run([1] * m, [run.cache], m)
+                result[key] = kernel_profile(buf.graph.replay, "programmatic dependent launch" in fast.installed)
+                kp = result[key]
+                progress(f"profile M={m}: {kp.get('kernels_per_step', 0):.0f} kernels per step, {kp.get('kernel_us_per_step', 0) / 1e3:.3f}"
+                         f" ms busy in a {kp.get('span_us_per_step', 0) / 1e3:.3f} ms span")
     draft = draft_ms(run, repeats)
     if draft is not None:
         verify_k = {m - 1: ms for m, ms in verify.items() if m > 1}
@@ -539,8 +541,14 @@ def format_report(r: dict) -> str:
         lines += ["", f"Kernels per step (profiler): {kp['kernels_per_step']:.0f} launches, {kp['kernel_us_per_step'] / 1e3:.3f} ms "
                       f"busy in a {kp['span_us_per_step'] / 1e3:.3f} ms span"
                   + (" (overlapping under programmatic dependent launch: times include each kernel's wait)"
-                     if kp.get("programmatic_dependent_launch") else ""), "| kernel | launches/step | us/step |", "|---|---|---|"]
-        lines += [f"| {k['name']} | {k['launches']:.0f} | {k['us']:.1f} |" for k in kp["by_kernel"][:25]]
+                     if kp.get("programmatic_dependent_launch") else ""),
+                  "| kernel | launches/step | us/step | us/step at M=3 |", "|---|---|---|---|"]
+        m3 = {k["name"]: k["us"] for k in r.get("kernel_profile_m3", {}).get("by_kernel", [])}
+        lines += [f"| {k['name']} | {k['launches']:.0f} | {k['us']:.1f} | "
+                  f"{'%.1f' % m3[k['name']] if k['name'] in m3 else '-'} |" for k in kp["by_kernel"][:25]]
+        if m3:
+            lines.append(f"(M=3 step: {r['kernel_profile_m3']['kernel_us_per_step'] / 1e3:.3f} ms busy in a "
+                         f"{r['kernel_profile_m3']['span_us_per_step'] / 1e3:.3f} ms span)")
     if r.get("prefill"):
         lines += ["", "Prefill through Engine.step (a fresh sequence's prompt and its first token):",
                   "| prompt tokens | INT4 many-rows path | ms (time to first token) | tok/s | first token as the first row's | "
