@@ -38,7 +38,7 @@ case "${1:-}" in
     timeout 140 python3 benchmarks/kernels.py --quick --only fp8,router 2>&1 | tail -60
     ROOFLINE_FP8_DOT=1 synthetic fp8-dot 100 --prefill 0 --engine-tokens 0 --batch-decode 0
     # prefill (32K in four chunks of 8K: time to first token and peak memory) after the decode rows of the default
-    synthetic default 190 --prefill 4K,32K --engine-tokens 0 --batch-decode 0
+    synthetic default 190 --prefill 4K,32K --engine-tokens 0 --batch-decode 0 --profile
     timeout 100 python3 benchmarks/profile_mtp_engine.py 2>&1 | tail -80
     ;;
   tests)  # the files a 150 s limit cut in session 13
