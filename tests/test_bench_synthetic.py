@@ -73,6 +73,9 @@ def test_synthetic_command_on_gpu(tmp_path):
     assert any("gate_up" in k["name"] for k in prof["by_kernel"]), prof["by_kernel"][:5]  # the grouped experts kernel
     m3 = r["kernel_profile_m3"]  # the MTP-2 verify step's kernels: the same layers, so at least as many launches
     assert m3["kernels_per_step"] >= prof["kernels_per_step"] and m3["kernel_us_per_step"] > 0
+    rows = {t["m"]: t for t in r["tokens_per_sequence"]}  # the experts each step reads, counted from its routing
+    assert rows[1]["distinct_experts_per_layer"] == 8 and 8 <= rows[3]["distinct_experts_per_layer"] <= 24
+    assert rows[3]["bytes"] > rows[1]["bytes"] and 0 < rows[3]["fraction_of_ceiling"] < 1.2
     assert [(p["prompt_tokens"], p["int4_gemm"]) for p in r["prefill"]] == [(1024, "dequant"), (1024, "triton")]
     batch = {(d["sequences"], d["m"], d["int4_gemm"]): d for d in r["batch_decode"]}  # the default 8x1, 8x3
     assert set(batch) == {(8, m, k) for m in (1, 3) for k in ("dequant", "triton")}
@@ -152,6 +155,33 @@ def test_batch_decode_rows_time_each_int4_many_rows_path(monkeypatch):
     assert [(r["sequences"], r["m"], r["rows"], r["int4_gemm"]) for r in rows] == [(6, 3, 18, "dequant"), (6, 3, 18, "triton")]
     assert all(r["step_ms"] > 0 and not r["cuda_graph"] and r["row_tokens_per_s"] > 0 for r in rows)
     assert model.max_graph_rows == 80
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU runs it in the command above")
+def test_step_bytes_count_the_distinct_experts_a_verify_step_reads():
+    """One row reads its top_k experts a layer; three rows between top_k and 3 x top_k distinct ones, and the step's
+    bytes grow by exactly those extra experts' share of the stored experts (the pooled step in the interpreter).
+    The bench samples the routing once after its timed replays; each step moves the GDN state, so samples differ."""
+    pytest.importorskip("triton")
+    from roofline.bench.synthetic import SyntheticRun, _pool_bytes, _step_bytes, distinct_experts
+    from roofline.engine.cache import CachePool
+    from roofline.engine.graphs import DecodeGraphs
+    from roofline.kernels.dispatch import install_fast_path
+
+    model, _ = build_synthetic_model("tiny", LAYOUT, "cpu", torch.float32)
+    install_fast_path(model, allow_cpu=True)
+    cfg = model.config
+    pool = CachePool(cfg, cfg.layer_types, 1, 64, "cpu", model.dtype)
+    run = SyntheticRun(model, pool, DecodeGraphs(model, pool, 1, use_graphs=False), pool.acquire(), None)
+    k = cfg.num_experts_per_tok
+    assert distinct_experts(run, 1) == k
+    three = distinct_experts(run, 3)
+    assert k < three <= min(3 * k, cfg.num_experts)  # the rows' routes differ here (seeded weights)
+    tb, (state, _) = engine_token_bytes(model), _pool_bytes(pool)
+    one, many = _step_bytes(run, tb, 1, 2.0, 1e9), _step_bytes(run, tb, 3, 4.0, 1e9)
+    assert one["bytes"] == tb.weights + state and one["fraction_of_ceiling"] == pytest.approx(one["bytes"] / 1e9 / 2e-3)
+    extra = many["distinct_experts_per_layer"] - k  # a new sample: each step moves the GDN state, and the routing
+    assert many["bytes"] - one["bytes"] == pytest.approx(tb.experts_stored * extra / tb.num_experts)
 
 
 def test_batch_decode_shapes_are_parsed_or_refused_by_name():

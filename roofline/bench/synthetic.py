@@ -156,6 +156,20 @@ def decode_ms(run: SyntheticRun, m: int, repeats: int) -> tuple[float, float]:
     return step_ms, device_ms(buf.graph.replay, repeats)
 
 
+def distinct_experts(run: SyntheticRun, m: int) -> float | None:
+    """Mean number of distinct routed experts per MoE layer that the timed m-token step reads (its m rows route
+    independently, so a verify step reads up to m x top_k experts a layer): the same step run once eagerly, with
+    the MoE blocks' routing recorded. None for a dense model or where the blocks record nothing."""
+    from ..kernels.blocks import recording_routes
+
+    if not run.model.config.is_moe:
+        return None
+    eager = DecodeGraphs(run.model, run.pool, 1, use_graphs=False)
+    with recording_routes() as routes:
+        eager.run([1] * m, [run.cache], m)
+    return statistics.mean(len(torch.unique(r)) for r in routes) if routes else None
+
+
 def _each_int4_gemm(model, weights: str):
     """Each INT4 many-rows path (`INT4_GEMM_KINDS`) that some of `model`'s INT4 `weights` ("experts": routed
     experts, which alone change a prefill; "any": dense ones too) take, with the model switched to it; None once
@@ -390,6 +404,18 @@ def _pool_bytes(pool: CachePool) -> tuple[int, int]:
     return 2 * state, pool.kv_bytes_per_token
 
 
+def _step_bytes(run: SyntheticRun, tb: TokenBytes, m: int, step_ms: float, copy_bw: float) -> dict:
+    """What an m-token step at context 0 reads, with the routed experts it really touches (distinct_experts) in
+    place of one token's top_k, and that against its time: why a verify step costs what it does."""
+    distinct = distinct_experts(run, m)
+    if distinct is None:
+        return {}
+    state, _ = _pool_bytes(run.pool)
+    nbytes = tb.weights + tb.experts_stored * (distinct - tb.top_k) / tb.num_experts + state
+    return {"distinct_experts_per_layer": distinct, "bytes": nbytes,
+            "fraction_of_ceiling": nbytes / copy_bw / (step_ms / 1e3)}
+
+
 def measured_part(result: dict, name: str, measure, progress) -> bool:
     """result[name] = measure(); if it raises (a prefill out of memory, say), the error goes to result["errors"]
     instead, with the section's name, so the parts measured before and after it are still written; the command
@@ -461,7 +487,8 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     verify = {1: at_zero[0]}
     for m in verify_tokens:
         verify[m] = decode_ms(run, m, repeats)[0]
-    result["tokens_per_sequence"] = [{"m": m, "step_ms": ms, "vs_m1": ms / verify[1]} for m, ms in sorted(verify.items())]
+    result["tokens_per_sequence"] = [{"m": m, "step_ms": ms, "vs_m1": ms / verify[1], **_step_bytes(run, tb, m, ms, copy_bw)}
+                                     for m, ms in sorted(verify.items())]
     progress("step time by tokens per sequence: " + ", ".join(f"M={m} {ms:.3f} ms" for m, ms in sorted(verify.items())))
 
     parts = breakdown_ms(run, 0, repeats)
@@ -522,8 +549,11 @@ def format_report(r: dict) -> str:
     for row in r["decode"]:
         lines.append(f"| {row['context']} | {row['bytes_per_token'] / gb:.2f} | {row['ceiling_tok_s']:.0f} | {row['tok_s']:.1f} | "
                      f"{row['step_ms']:.3f} | {row['replay_ms']:.3f} | {row['fraction_of_ceiling']:.2f} |")
-    lines += ["", "| tokens per sequence (M) | step ms | vs M=1 |", "|---|---|---|"]
-    lines += [f"| {t['m']} | {t['step_ms']:.3f} | {t['vs_m1']:.2f}x |" for t in r["tokens_per_sequence"]]
+    lines += ["", "| tokens per sequence (M) | step ms | vs M=1 | distinct experts a layer | GB read | of ceiling |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {t['m']} | {t['step_ms']:.3f} | {t['vs_m1']:.2f}x | "
+              + (f"{t['distinct_experts_per_layer']:.1f} | {t['bytes'] / gb:.2f} | {t['fraction_of_ceiling']:.2f} |"
+                 if "bytes" in t else "- | - | - |") for t in r["tokens_per_sequence"]]
     b = r["breakdown_ms"]
     lines += ["", "| component (context 0) | ms | share |", "|---|---|---|"]
     lines += [f"| {c} | {b[c]:.3f} | {b[c] / b['whole_step_graph']:.0%} |" for c in COMPONENTS if c in b]

@@ -27,6 +27,7 @@ model's own code.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -74,22 +75,43 @@ def norm_in_gemvs(layer: DecoderLayer, dtype) -> bool:
 FUSED_ROUTE_ROWS = 2
 
 
+_routes: list[torch.Tensor] | None = None  # see recording_routes
+
+
+@contextmanager
+def recording_routes():
+    """Collect the chosen experts [rows, k] of every MoE block's decode call run inside, in layer order (the bench
+    counts the distinct experts a verify step reads). For eager calls only: a captured graph would keep the
+    recorded tensors' addresses, not their values."""
+    global _routes
+    saved, _routes = _routes, []
+    try:
+        yield _routes
+    finally:
+        _routes = saved
+
+
 def _route(moe: SparseMoE, x: torch.Tensor, norm: NormOnLoad | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chosen experts, routing weights fp32, the shared expert's gate logit) for decode rows; with `norm` the
     router's kernel norms its input (and writes norm.normed)."""
     operands = fused_router(moe)
     if operands is None:
         logits, gate_logit = moe.merged["router"](x)
-        return (*route_top_k(logits, moe.top_k), gate_logit)
-    e = moe.gate.out_features
-    if row_count(x) > FUSED_ROUTE_ROWS:
-        logits = fp8_matmul(x, *operands, norm=norm)
-        experts, weights = route_top_k(logits[..., :e], moe.top_k)
+        experts, weights = route_top_k(logits, moe.top_k)
     else:
-        logits, experts, weights = router_top_k(x, *operands, e, moe.top_k, norm=norm)
-    if moe.merged["router"].merged is not None:
-        return experts, weights, logits[..., e:]
-    return experts, weights, moe.shared_expert_gate(x if norm is None else norm.normed)
+        e = moe.gate.out_features
+        if row_count(x) > FUSED_ROUTE_ROWS:
+            logits = fp8_matmul(x, *operands, norm=norm)
+            experts, weights = route_top_k(logits[..., :e], moe.top_k)
+        else:
+            logits, experts, weights = router_top_k(x, *operands, e, moe.top_k, norm=norm)
+        if moe.merged["router"].merged is not None:
+            gate_logit = logits[..., e:]
+        else:
+            gate_logit = moe.shared_expert_gate(x if norm is None else norm.normed)
+    if _routes is not None:
+        _routes.append(experts.clone())
+    return experts, weights, gate_logit
 
 
 def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residual: torch.Tensor | None = None,
