@@ -10,7 +10,7 @@ interpreter) the same step runs eagerly, so the captured code is the tested code
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -74,6 +74,9 @@ class StepBuffers:
     hidden: torch.Tensor | None = None  # [B*M, H] post-norm
     logits: torch.Tensor | None = None  # [B*M, V] fp32
     graph: torch.cuda.CUDAGraph | None = None
+    # keep()'s copy lists per (slot, row, kept): 144 tensor views on the 122B, ~0.15 ms of host time per MTP step
+    # while the GPU waits, made once instead
+    restores: dict[tuple[int, int, int], list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = field(default_factory=dict)
 
 
 class DecodeGraphs:
@@ -199,7 +202,11 @@ class DecodeGraphs:
                 raise RuntimeError("this step saved no rollback state")
             # Two multi-tensor copies (states fp32, conv windows in the model's dtype: one dtype per launch), not two
             # copies per GDN layer (72 on the 122B) issued while the GPU waits for the host.
-            for which, pool in enumerate((self.pool.recurrent, self.pool.conv)):
-                torch._foreach_copy_([pool[layer][cache.slot] for layer in buf.rollback],
-                                     [saved[which][index, kept - 1] for saved in buf.rollback.values()])
+            key = (cache.slot, index, kept)
+            if key not in buf.restores:
+                buf.restores[key] = [([pool[layer][cache.slot] for layer in buf.rollback],
+                                      [saved[which][index, kept - 1] for saved in buf.rollback.values()])
+                                     for which, pool in enumerate((self.pool.recurrent, self.pool.conv))]
+            for dst, src in buf.restores[key]:
+                torch._foreach_copy_(dst, src)
         cache.advance(kept)
