@@ -303,22 +303,10 @@ def bench_fp8(b: Bench, quick: bool):
                     ("BN8 BK512 w2 pps4", {"BN": 8, "BK": 512, "num_warps": 2, "programs_per_sm": 4}),
                     ("BN16 BK256 w2 pps4", {"BN": 16, "BK": 256, "num_warps": 2, "programs_per_sm": 4}),
                 ])
-            def make_dot(cfg, x=x, sets=sets):
-                return Rotor(lambda w, s: fp8_matmul(x, w, s, config=cfg, dot=True), sets)
-
-            if b.sweep:  # the tensor-core variant (ROOFLINE_FP8_DOT=1) around the INT8 LM head's best tile
-                b.try_configs("fp8_gemv_dot", shape, nbytes, make_dot, [
-                    (f"BN{bn} BK{bk} w{w} s{st} pps{pps}",
-                     {"BN": bn, "BK": bk, "num_warps": w, "num_stages": st, "programs_per_sm": pps})
-                    for bn, bk, w, st, pps in [(32, 128, 2, 3, 4), (32, 128, 2, 3, 8), (32, 128, 2, 3, 2),
-                                               (16, 128, 1, 3, 8), (16, 128, 2, 3, 8), (64, 128, 2, 3, 4),
-                                               (64, 128, 4, 3, 2), (32, 64, 2, 4, 4), (32, 128, 4, 2, 4),
-                                               (16, 64, 1, 4, 16)]])
             t = median_us(make(None))
             base = median_us(Rotor(lambda w: F.linear(x, w), [(w,) for w in dense]))
             b.record("fp8_gemv", shape, nbytes, t, baseline=base, baseline_bytes=n * k * 2 + m * (n + k) * 2,
                      note="baseline: cuBLAS BF16 F.linear")
-            b.record("fp8_gemv_dot", shape, nbytes, median_us(make_dot(None)), note="tl.dot variant, its default config")
         del sets, dense
 
 
@@ -349,17 +337,7 @@ def bench_router(b: Bench, quick: bool):
             b.sweeps.append({"kernel": "router_top_k", "shape": shape, "config": "GEMV, then route_top_k (2 launches)",
                              "time_us": round(apart, 2)})
             print(f"    sweep router_top_k {shape} GEMV then route_top_k: {apart:8.2f} us", flush=True)
-            b.try_configs("router_top_k_dot", shape, nbytes,
-                          lambda cfg, x=x: Rotor(lambda w: router_top_k(x, w, None, (128, 128), experts, top, config=cfg,
-                                                                         dot=True), sets), [
-                (f"BN{bn} BK{bk} w{w} s{st} split{sk}",
-                 {"BN": bn, "BK": bk, "num_warps": w, "num_stages": st, "SPLIT_K": sk})
-                for bn, bk, w, st, sk in [(16, 128, 1, 3, 6), (16, 128, 2, 3, 12), (32, 128, 2, 3, 6),
-                                          (16, 256, 2, 3, 6), (16, 64, 1, 4, 12)]])
         b.record("router_top_k", shape, nbytes, median_us(make(None)))
-        b.record("router_top_k_dot", shape, nbytes,
-                 median_us(Rotor(lambda w: router_top_k(x, w, None, (128, 128), experts, top, dot=True), sets)),
-                 note="tl.dot variant, its default config")
     del sets
 
 

@@ -346,12 +346,12 @@ def test_experts_reference_matches_model():
 # ---------------------------------------------------------------- block FP8
 
 
-def check_fp8(m, n, k, block, dtype, device, config=None, tol=1e-2, dot=False):
+def check_fp8(m, n, k, block, dtype, device, config=None, tol=1e-2):
     torch.manual_seed(m + n + k)
     q, s = quantize_fp8_block(torch.randn(n, k), block)
     q, s = q.to(device), s.to(device)
     x = torch.randn(m, k, device=device).to(dtype)
-    y = fp8_matmul(x, q, s, block, out=nan_like(torch.empty(m, n, dtype=dtype, device=device)), config=config, dot=dot)
+    y = fp8_matmul(x, q, s, block, out=nan_like(torch.empty(m, n, dtype=dtype, device=device)), config=config)
     assert rel_err(y, fp8_matmul_reference(x, q, s, block)) < tol
     assert_counters_zero()
 
@@ -368,30 +368,11 @@ def test_fp8_matmul_interpreter(m, n, k, block, config):
     check_fp8(m, n, k, block, torch.float32 if m % 2 else torch.float16, "cpu", config, tol=2e-3)
 
 
-@cpu
-@pytest.mark.parametrize("m,n,k,block,config", [
-    (1, 40, 200, (32, 32), None),  # K and N not multiples of the tile
-    (3, 72, 384, (16, 64), {"BN": 16, "BK": 64, "SPLIT_K": 2}),
-    (4, 50, 130, (32, 32), {"SPLIT_K": 3}),
-])
-def test_fp8_matmul_tensor_core_interpreter(m, n, k, block, config):
-    """The tl.dot variant (16-bit x only), in fp16 here: the interpreter's bf16 arithmetic is wrong."""
-    check_fp8(m, n, k, block, torch.float16, "cpu", config, tol=2e-3, dot=True)
-
-
-@cpu
-def test_fp8_matmul_tensor_core_refuses_a_tile_across_scale_blocks():
-    q, s = quantize_fp8_block(torch.randn(32, 256), (32, 32))
-    with pytest.raises(ValueError, match="BK"):
-        fp8_matmul(torch.randn(1, 256).half(), q, s, (32, 32), config={"BN": 16, "BK": 64}, dot=True)
-
-
 @gpu
-@pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k", [(2048, 3072), (3072, 1024), (1000, 3000)])
-def test_fp8_matmul_gpu(m, n, k, dot):
-    check_fp8(m, n, k, (128, 128), torch.bfloat16, GPU, dot=dot)
+def test_fp8_matmul_gpu(m, n, k):
+    check_fp8(m, n, k, (128, 128), torch.bfloat16, GPU)
 
 
 @gpu
@@ -402,31 +383,29 @@ def test_fp8_matmul_gpu_wide_tiles(m, config):
     check_fp8(m, 2048, 3072 + 128, (128, 128), torch.bfloat16, GPU, config)
 
 
-def check_dense(m, n, k, dtype, device, tol, dot=False):
+def check_dense(m, n, k, dtype, device, tol):
     torch.manual_seed(m + n)
     w = torch.randn(n, k, device=device).to(dtype)
     x = torch.randn(m, k, device=device).to(dtype)
-    y = dense_matmul(x, w, out=nan_like(torch.empty(m, n, dtype=dtype, device=device)), dot=dot)
+    y = dense_matmul(x, w, out=nan_like(torch.empty(m, n, dtype=dtype, device=device)))
     assert rel_err(y, (x.float() @ w.float().t()).to(dtype)) < tol
     assert_counters_zero()
 
 
 @cpu
-@pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("m,n,k", [(1, 65, 256), (3, 129, 200)])  # the router + shared gate's 2^k + 1 rows
-def test_dense_matmul_interpreter(m, n, k, dot):
-    check_dense(m, n, k, torch.float16, "cpu", 2e-3, dot)
+def test_dense_matmul_interpreter(m, n, k):
+    check_dense(m, n, k, torch.float16, "cpu", 2e-3)
 
 
 @gpu
-@pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("n", [128, 257, 1024])  # GDN b/a merged, router + shared gate, the largest taken
-def test_dense_matmul_gpu(m, n, dot):
-    check_dense(m, n, 3072, torch.bfloat16, GPU, 1e-2, dot)
+def test_dense_matmul_gpu(m, n):
+    check_dense(m, n, 3072, torch.bfloat16, GPU, 1e-2)
 
 
-def check_residual_and_norm(m, n, k, fp8, dtype, device, config=None, tol=1e-2, dot=False):
+def check_residual_and_norm(m, n, k, fp8, dtype, device, config=None, tol=1e-2):
     """The layer's add and norm spread over two kernels (blocks.norm_in_gemvs): the INT4 out projection adds the
     residual and writes per-tile sums of squares (h bit for bit as add_rms_norm's, the sums as h's); the GEMV
     that norms on load gives the normed rows within one rounding of add_rms_norm's and the output of the GEMV on
@@ -452,12 +431,11 @@ def check_residual_and_norm(m, n, k, fp8, dtype, device, config=None, tol=1e-2, 
     weight, scale = quantize_fp8_block(w, (128, 128)) if fp8 else (w.to(dtype), None)
     weight, scale = weight.to(device), None if scale is None else scale.to(device)
     normed = nan_like(torch.empty(m, hidden, dtype=dtype, device=device))
-    y = fp8_matmul(h, weight, scale, (128, 128), norm=NormOnLoad(sumsq, norm_w, 1e-6, normed), dot=dot)
+    y = fp8_matmul(h, weight, scale, (128, 128), norm=NormOnLoad(sumsq, norm_w, 1e-6, normed))
     assert rel_err(normed, want_normed) < 1e-2
-    assert rel_err(y, fp8_matmul(normed, weight, scale, (128, 128), dot=dot)) < tol
-    assert torch.equal(fp8_matmul(h, weight, scale, (128, 128), norm=NormOnLoad(sumsq, norm_w, 1e-6), dot=dot), y)
-    logits, chosen, _ = router_top_k(h, weight, scale, (128, 128), n - 1, 2, norm=NormOnLoad(sumsq, norm_w, 1e-6),
-                                     dot=dot)
+    assert rel_err(y, fp8_matmul(normed, weight, scale, (128, 128))) < tol
+    assert torch.equal(fp8_matmul(h, weight, scale, (128, 128), norm=NormOnLoad(sumsq, norm_w, 1e-6)), y)
+    logits, chosen, _ = router_top_k(h, weight, scale, (128, 128), n - 1, 2, norm=NormOnLoad(sumsq, norm_w, 1e-6))
     assert torch.equal(logits, y)
     probs = torch.softmax(y[:, : n - 1].float(), -1)  # 16-bit logits tie: compare the chosen probabilities
     assert torch.equal(probs.gather(1, chosen), torch.topk(probs, 2, -1).values)
@@ -474,21 +452,14 @@ def test_residual_and_norm_on_load_interpreter(m, n, k, fp8, config):
     check_residual_and_norm(m, n, k, fp8, torch.float16, "cpu", config)
 
 
-@cpu
-@pytest.mark.parametrize("m,n,fp8", [(1, 33, False), (3, 17, True)])
-def test_residual_and_norm_on_load_tensor_core_interpreter(m, n, fp8):
-    check_residual_and_norm(m, n, 256, fp8, torch.float16, "cpu", {"KW": 1, "SPLIT_K": 2}, dot=True)
-
-
 @gpu
-@pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("n,fp8", [(257, False), (2048, True)])  # the 122B's router + shared gate, shared gate_up
-def test_residual_and_norm_on_load_gpu(m, n, fp8, dot):
-    check_residual_and_norm(m, n, 8192, fp8, torch.bfloat16, GPU, dot=dot)
+def test_residual_and_norm_on_load_gpu(m, n, fp8):
+    check_residual_and_norm(m, n, 8192, fp8, torch.bfloat16, GPU)
 
 
-def check_router(m, experts, k, fp8, dtype, device, config=None, dot=False):
+def check_router(m, experts, k, fp8, dtype, device, config=None):
     """router_top_k's logits equal the GEMV's, and its routing the softmax / top-k of them (the extra rows, the
     shared expert's gate, outside the routing)."""
     torch.manual_seed(m + experts + k)
@@ -500,10 +471,9 @@ def check_router(m, experts, k, fp8, dtype, device, config=None, dot=False):
     else:
         weight, scale = w.to(device).to(dtype), None
     x = torch.randn(m, hidden, device=device).to(dtype)
-    logits, chosen, weights = router_top_k(x, weight, scale, (128, 128), experts, k, dot=dot) if config is None else \
-        _router_with_config(x, weight, scale, experts, k, config, dot)
-    want = fp8_matmul(x, weight, scale, (128, 128), config=config, dot=dot) if fp8 else \
-        dense_matmul(x, weight, config=config, dot=dot)
+    logits, chosen, weights = router_top_k(x, weight, scale, (128, 128), experts, k) if config is None else \
+        _router_with_config(x, weight, scale, experts, k, config)
+    want = fp8_matmul(x, weight, scale, (128, 128), config=config) if fp8 else dense_matmul(x, weight, config=config)
     assert torch.equal(logits, want)
     probs = torch.softmax(want[:, :experts].float(), dim=-1)
     top_w, top_e = torch.topk(probs, k, dim=-1)
@@ -514,10 +484,10 @@ def check_router(m, experts, k, fp8, dtype, device, config=None, dot=False):
     assert_counters_zero()
 
 
-def _router_with_config(x, weight, scale, experts, k, config, dot):
+def _router_with_config(x, weight, scale, experts, k, config):
     chosen = torch.empty(x.shape[0], k, dtype=torch.int64, device=x.device)
     weights = torch.empty(x.shape[0], k, dtype=torch.float32, device=x.device)
-    logits = fp8_matmul(x, weight, scale, (128, 128), config=config, route=(chosen, weights, experts), dot=dot)
+    logits = fp8_matmul(x, weight, scale, (128, 128), config=config, route=(chosen, weights, experts))
     return logits, chosen, weights
 
 
@@ -531,18 +501,11 @@ def test_router_top_k_interpreter(m, experts, k, fp8, config):
     check_router(m, experts, k, fp8, torch.float16, "cpu", config)
 
 
-@cpu
-@pytest.mark.parametrize("m,experts,k,fp8,config", [(1, 64, 8, False, None), (4, 16, 2, True, {"SPLIT_K": 2})])
-def test_router_top_k_tensor_core_interpreter(m, experts, k, fp8, config):
-    check_router(m, experts, k, fp8, torch.float16, "cpu", config, dot=True)
-
-
 @gpu
-@pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("experts,k,fp8", [(256, 8, False), (128, 8, False), (256, 8, True)])
-def test_router_top_k_gpu(m, experts, k, fp8, dot):
-    check_router(m, experts, k, fp8, torch.bfloat16, GPU, dot=dot)
+def test_router_top_k_gpu(m, experts, k, fp8):
+    check_router(m, experts, k, fp8, torch.bfloat16, GPU)
 
 
 # ---------------------------------------------------------------- fused GDN decode step

@@ -468,11 +468,6 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
             installed["int8 lm_head on the tensor cores"] += 1
         else:
             log.info("INT8 LM head on the lanes loop, not the tensor cores (ROOFLINE_INT8_DOT=0)")
-    if installed["fp8"] or installed["small dense"] or installed["fused router"]:
-        from .fp8_gemv import DOT_ROWS as FP8_DOT
-
-        if FP8_DOT:
-            installed["fp8 / small dense GEMVs on the tensor cores (ROOFLINE_FP8_DOT=1)"] += 1
     if device.type == "cuda":
         from ._common import PDL_ENABLED, SECOND_STREAM, pdl_supported
 

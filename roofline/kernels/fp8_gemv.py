@@ -27,7 +27,6 @@ The router and the shared expert's gate_up both take it, so the add_rms_norm lau
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -110,63 +109,8 @@ def _fp8_gemv_kernel(
         w3 = tl.reshape(w.to(tl.float32), [1, BN, BK // 16, 16])
         acc += tl.sum(x3 * w3, axis=3)
     y = tl.sum(acc, axis=2)  # [BM, BN]
-    _finish(y, m[:, None] * N + n_offs[None, :], m_mask[:, None] & n_mask[None, :], out_ptr, ws_ptr, cnt_ptr, pid_n,
-            pid_k, M, N, SPLIT_K, SPLITP, experts_ptr, weights_ptr, E, BM, TOPK, KP, BE)
-
-
-@triton.jit
-def _fp8_dot_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, K_PER_SPLIT, S_COLS,
-    SBN: tl.constexpr, SBK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr,
-    HAS_SCALE: tl.constexpr = True, PDL: tl.constexpr = False,
-    experts_ptr=None, weights_ptr=None, E=0, TOPK: tl.constexpr = 0, KP: tl.constexpr = 1, BE: tl.constexpr = 1,
-    ss_ptr=None, nw_ptr=None, normed_ptr=None, eps=0.0, NT=1, NORM: tl.constexpr = False,
-    NORM_OUT: tl.constexpr = False, NTP: tl.constexpr = 1,
-):
-    """The tensor-core variant (`dot=True`): each [BN, BK] weight tile converted to x's 16-bit type (exact for
-    e4m3) times x^T padded to 16 token columns (tl.dot's smallest N), fp32 accumulation, Triton's pipelined
-    loads. A tile lies in one scale block (BN divides its rows, BK its columns), so its scale is one number."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    n_offs = pid_n * BN + tl.arange(0, BN)
-    n_mask = n_offs < N
-    tok = tl.arange(0, 16)
-    m_mask = tok < M
-    kk = tl.arange(0, BK)
-    k_start = pid_k * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    srow = s_ptr + (pid_n * BN // SBN) * S_COLS
-    acc = tl.zeros([BN, 16], dtype=tl.float32)
-    wait_for_inputs(PDL)
-    if NORM:
-        rstd = _rows_rstd(ss_ptr, tok, m_mask, NT, K, eps, NTP)
-    for k0 in range(k_start, k_end, BK):
-        k = k0 + kk
-        kmask = k < k_end
-        w = tl.load(w_ptr + n_offs[:, None] * K + k[None, :], mask=n_mask[:, None] & kmask[None, :], other=0.0)
-        xk = tok[None, :] * K + k[:, None]  # [BK, 16]: x^T
-        xmask = m_mask[None, :] & kmask[:, None]
-        xt = tl.load(x_ptr + xk, mask=xmask, other=0.0)
-        if NORM:
-            nw = tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-            xt = (xt.to(tl.float32) * rstd[None, :] * (1.0 + nw)[:, None]).to(xt.dtype)
-            if NORM_OUT:
-                if pid_n == 0:
-                    tl.store(normed_ptr + xk, xt, mask=xmask)
-        part = tl.dot(w.to(xt.dtype), xt)
-        if HAS_SCALE:
-            part = part * tl.load(srow + k0 // SBK).to(tl.float32)
-        acc += part
-    _finish(acc, tok[None, :] * N + n_offs[:, None], m_mask[None, :] & n_mask[:, None], out_ptr, ws_ptr, cnt_ptr,
-            pid_n, pid_k, M, N, SPLIT_K, SPLITP, experts_ptr, weights_ptr, E, 16, TOPK, KP, BE)
-
-
-@triton.jit
-def _finish(y, offs, omask, out_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, M, N, SPLIT_K, SPLITP: tl.constexpr,
-            experts_ptr, weights_ptr, E, BM: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr):
-    """Store a program's [rows, columns] results y at offs (rows N apart); with K split, the last program of the
-    column tile sums the splits in order; with TOPK, the last column tile routes every row."""
+    offs = m[:, None] * N + n_offs[None, :]
+    omask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=omask)
         if TOPK:
@@ -216,36 +160,23 @@ def default_config(m: int) -> dict:
     return {"BN": 8, "BK": 128, "num_warps": 1, "programs_per_sm": 16.0}
 
 
-# The tensor-core variant (`_fp8_dot_kernel`) for 16-bit x: opt-in until the H200 sweep says where it wins.
-DOT_ROWS = os.environ.get("ROOFLINE_FP8_DOT", "0") == "1"
-
-
-def default_dot_config() -> dict:
-    """A first guess after the INT8 LM head's sweep (small tiles, 2 warps, 3 tiles in flight), to be swept."""
-    if INTERPRET:
-        return {"BN": 16, "BK": 32, "num_warps": 1}
-    return {"BN": 32, "BK": 128, "num_warps": 2, "num_stages": 3, "programs_per_sm": 4.0}
-
-
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, block=(128, 128), *, out=None,
                config: dict | None = None, counters: torch.Tensor | None = None, route: tuple | None = None,
-               norm: NormOnLoad | None = None, dot: bool | None = None) -> torch.Tensor:
+               norm: NormOnLoad | None = None) -> torch.Tensor:
     """y = x @ W^T for x [..., K] with 1..4 rows, W block FP8 [N, K] with scale_inv per (bn, bk) block
     (scale_inv None: W is used as it is stored, see dense_matmul). `route` = (experts [M, k] int64, weights
     [M, k] fp32, E): also write each row's routing over its first E outputs (see router_top_k). `norm`:
-    y = rms_norm(x) @ W^T (see NormOnLoad). `dot`: the tensor-core variant (default: ROOFLINE_FP8_DOT=1, 16-bit x)."""
+    y = rms_norm(x) @ W^T (see NormOnLoad)."""
     n, k = weight.shape
     x2, lead = decode_rows(x, k, "fp8_matmul")
     m = x2.shape[0]
-    if dot is None:  # fp32 x would multiply in TF32 on the tensor cores: the lanes loop keeps it exact
-        dot = DOT_ROWS and x.dtype in (torch.float16, torch.bfloat16)
-    cfg = default_dot_config() if dot else default_config(m)
+    cfg = default_config(m)
     cfg.update(config or {})
     bn_s, bk_s = block
     bn, bk = min(cfg["BN"], bn_s), cfg["BK"]
-    if bn_s % bn or bk % 16 or (bk_s % bk and bk % bk_s) or (dot and scale_inv is not None and bk_s % bk):
+    if bn_s % bn or bk % 16 or (bk_s % bk and bk % bk_s):
         raise ValueError(f"tile ({bn}, {bk}): BN must divide the scale block's {bn_s} rows, BK be a multiple of 16 "
-                         f"that divides or (lanes loop only) is a multiple of its {bk_s} columns")
+                         f"that divides or is a multiple of its {bk_s} columns")
     tiles = triton.cdiv(n, bn)
     k_steps = triton.cdiv(k, bk)
     split = cfg.get("SPLIT_K")
@@ -263,15 +194,13 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
         experts, weights, e = route
         top_k = experts.shape[-1]
         routing = dict(experts_ptr=experts, weights_ptr=weights, E=e, TOPK=top_k, KP=next_pow2(top_k), BE=next_pow2(e))
-    args = (x2, weight, scale_inv if scale_inv is not None else weight, out, ws, cnt, m, n, k, k_per_split,
-            scale_inv.shape[-1] if scale_inv is not None else 0)
-    consts = dict(SBN=bn_s, SBK=bk_s, BN=bn, BK=bk, SPLIT_K=split, SPLITP=next_pow2(split), HAS_SCALE=scale_inv is not None,
-                  num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **routing, **_norm_args(norm, x2),
-                  **pdl_options(x.device))
-    if dot:
-        _fp8_dot_kernel[(tiles, split)](*args, **consts)
-    else:
-        _fp8_gemv_kernel[(tiles, split)](*args, BM=max(1, 1 << (m - 1).bit_length()), **consts)
+    _fp8_gemv_kernel[(tiles, split)](
+        x2, weight, scale_inv if scale_inv is not None else weight, out, ws, cnt, m, n, k, k_per_split,
+        scale_inv.shape[-1] if scale_inv is not None else 0,
+        SBN=bn_s, SBK=bk_s, BM=max(1, 1 << (m - 1).bit_length()), BN=bn, BK=bk, SPLIT_K=split, SPLITP=next_pow2(split),
+        HAS_SCALE=scale_inv is not None, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
+        **routing, **_norm_args(norm, x2), **pdl_options(x.device),
+    )
     return out.reshape(*lead, n)
 
 
@@ -290,8 +219,8 @@ def _norm_args(norm: NormOnLoad | None, x2: torch.Tensor) -> dict:
 
 
 def router_top_k(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, block, experts: int,
-                 top_k: int, config: dict | None = None, norm: NormOnLoad | None = None,
-                 dot: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 top_k: int, config: dict | None = None,
+                 norm: NormOnLoad | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router GEMV and its routing in one launch: (logits [..., N], chosen experts [M, top_k] int64, routing
     weights [M, top_k] fp32 summing to 1) for x [..., K] with 1..4 rows; softmax / top-k over the first
     `experts` outputs (the rest, e.g. the shared expert's gate merged in, are only computed)."""
@@ -300,13 +229,12 @@ def router_top_k(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor 
         raise ValueError(f"router_top_k: {experts} experts (top {top_k}) for a weight of {weight.shape[0]} rows")
     chosen = torch.empty(m, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
-    logits = fp8_matmul(x, weight, scale_inv, block, route=(chosen, weights, experts), config=config, norm=norm, dot=dot)
+    logits = fp8_matmul(x, weight, scale_inv, block, route=(chosen, weights, experts), config=config, norm=norm)
     return logits, chosen, weights
 
 
-def dense_matmul(x: torch.Tensor, weight: torch.Tensor, *, out=None, config: dict | None = None,
-                 dot: bool | None = None) -> torch.Tensor:
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor, *, out=None, config: dict | None = None) -> torch.Tensor:
     """y = x @ W^T for x [..., K] with 1..4 rows and a dense [N, K] weight (the FP8 kernel without scales)."""
     if weight.stride(-1) != 1 or weight.stride(0) != weight.shape[1]:
         raise ValueError(f"dense_matmul wants a contiguous [N, K] weight, got strides {weight.stride()}")
-    return fp8_matmul(x, weight, None, out=out, config=config, dot=dot)
+    return fp8_matmul(x, weight, None, out=out, config=config)
