@@ -634,10 +634,16 @@ def gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device, kernel=4, seed=
     return fixed, pools, step
 
 
+def _merged_views(*parts):
+    """The parts as column views of one [N, sum of widths] tensor, as a merged projection returns them (rows strided)."""
+    return torch.cat(parts, dim=1).split([p.shape[1] for p in parts], dim=1)
+
+
 def check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, device, block_v=None, use_slots=True, save="both",
-                   steps=2, tol=1e-2):
+                   steps=2, tol=1e-2, merged=False):
     """gdn_decode with slots / M tokens / step outputs vs the reference, over `steps` successive steps;
-    pool rows not in `slots` must stay untouched."""
+    pool rows not in `slots` must stay untouched. `merged`: the kernel takes qkv, z and b, a as column views of
+    merged projections' outputs (in_proj_qkv+z, b+a), the reference contiguous copies."""
     kernel = 4
     c = 2 * hk * dk + hv * dv
     fixed, pools, _ = gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device, kernel)
@@ -659,7 +665,11 @@ def check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, device, block_v=None, us
             fn = gdn_decode if name == "kernel" else gdn_decode_reference
             extra = dict(out=nan_like(torch.empty(bsz * m, hv * dv, dtype=dtype, device=device)), block_v=block_v) \
                 if name == "kernel" else {}
-            y = fn(inp["qkv"], inp["z"], inp["b"], inp["a"], pl["conv_state"], fixed["conv_weight"], fixed["A_log"],
+            qkv, z, b, a = inp["qkv"], inp["z"], inp["b"], inp["a"]
+            if merged and name == "kernel":
+                (qkv, z), (b, a) = _merged_views(qkv, z), _merged_views(b, a)
+                assert bsz * m == 1 or not qkv.is_contiguous()
+            y = fn(qkv, z, b, a, pl["conv_state"], fixed["conv_weight"], fixed["A_log"],
                    fixed["dt_bias"], fixed["norm_weight"], pl["state"], hk, slots=slots, tokens_per_seq=m,
                    step_states=ss, step_conv=sc, **extra)
             outs[name] = (y, ss, sc)
@@ -687,10 +697,18 @@ def test_gdn_decode_pool_interpreter(bsz, pool, m, hk, hv, dk, dv, dtype, block_
     check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, "cpu", block_v, use_slots, save, tol=2e-3)
 
 
+@cpu
+@pytest.mark.parametrize("bsz,m,save", [(1, 3, "both"), (2, 2, "none"), (3, 1, "conv")])
+def test_gdn_decode_reads_merged_projections_rows_in_place_interpreter(bsz, m, save):
+    """qkv, z, b, a as the merged projections write them (strided rows): the same results as contiguous inputs."""
+    check_gdn_pool(bsz, 4, m, 2, 4, 16, 16, torch.float16, "cpu", 8, True, save, tol=2e-3, merged=True)
+
+
 @gpu
+@pytest.mark.parametrize("merged", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-def test_gdn_decode_pool_gpu(m):
-    check_gdn_pool(3, 5, m, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="both")
+def test_gdn_decode_pool_gpu(m, merged):
+    check_gdn_pool(3, 5, m, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="both", merged=merged)
 
 
 def test_gdn_reference_tokens_are_steps():

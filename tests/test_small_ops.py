@@ -81,9 +81,11 @@ def test_engine_tokens_with_fused_small_ops(monkeypatch, tmp_path):
 
 
 @runs_here
+@pytest.mark.parametrize("merged", [False, True])
 @pytest.mark.parametrize("m", [1, 3])
-def test_attention_prologue_matches_the_model(m):
-    """q/k norms + partial RoPE + the KV write against GatedAttention's own modules (fp32)."""
+def test_attention_prologue_matches_the_model(m, merged):
+    """q/k norms + partial RoPE + the KV write against GatedAttention's own modules (fp32); `merged`: qg, k, v as
+    column views of the merged q/k/v projection's output (strided rows), read in place."""
     from roofline.kernels.small_ops import attention_prologue
     from roofline.model.layers import RMSNorm, RotaryEmbedding
 
@@ -99,7 +101,12 @@ def test_attention_prologue_matches_the_model(m):
     positions = torch.tensor([p for start in (7, 30) for p in range(start, start + m)], device=DEVICE)
     k_cache = torch.full((3, cap, hkv, d), float("nan"), device=DEVICE)
     v_cache = k_cache.clone()
-    q = attention_prologue(qg, k, v, positions, positions, slots, m, q_norm.weight, k_norm.weight, rotary.inv_freq,
+    inputs = (qg, k, v)
+    if merged:
+        whole = torch.cat([t.reshape(n, -1) for t in inputs], dim=1)
+        inputs = [part.view(t.shape) for part, t in zip(whole.split([t[0].numel() for t in inputs], dim=1), inputs)]
+        assert n == 1 or not inputs[0].is_contiguous()
+    q = attention_prologue(*inputs, positions, positions, slots, m, q_norm.weight, k_norm.weight, rotary.inv_freq,
                            k_cache, v_cache, 1e-6)
     with torch.no_grad():
         want_q = rotary(q_norm(qg[..., :d]), positions)

@@ -30,7 +30,8 @@ RMSNorm over dv and the q/k conv-state update (other programs still read the old
 last program of each (sequence, key head) to arrive (see _common.arrive) does both, reading the
 group's o vectors back from a small fp32 workspace.
 
-Layouts: qkv [B*M, 2*Hk*dk + Hv*dv] ([q | k | v], as in_proj_qkv writes it), conv_weight
+Layouts: qkv [B*M, 2*Hk*dk + Hv*dv] ([q | k | v], as in_proj_qkv writes it; qkv, z, b and a may be column views of
+a merged projection's output, their rows strided), conv_weight
 [C, 1, K] or [C, K], state fp32; output in qkv's dtype (out_proj's input).
 
 `ba=(x, weight)` (an experiment, `ROOFLINE_GDN_BA_IN_KERNEL=1`, see mixers.py): instead of the b and a
@@ -122,49 +123,49 @@ def gdn_decode_reference(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, 
 
 
 @triton.jit
-def _conv_silu(qkv_row, hist_ptr, w_ptr, c, cmask, C, J: tl.constexpr, KERNEL: tl.constexpr, CONV_TY: tl.constexpr,
-               OUT_TY: tl.constexpr):
+def _conv_silu(qkv_row, hist_ptr, w_ptr, c, cmask, C, QS, J: tl.constexpr, KERNEL: tl.constexpr,
+               CONV_TY: tl.constexpr, OUT_TY: tl.constexpr):
     """silu(depthwise causal conv) of channels c for token J of the step, with the model's roundings.
 
     The inputs are ext = [K-1 cached rows | the step's tokens]; token J's window is ext[J : J+K].
-    `qkv_row` points at the sequence's token 0 (rows C apart)."""
+    `qkv_row` points at the sequence's token 0 (rows QS apart; cached rows C apart)."""
     acc = tl.zeros(c.shape, dtype=tl.float32)
     for i in tl.static_range(KERNEL):
         if J + i < KERNEL - 1:
             x = tl.load(hist_ptr + (J + i) * C + c, mask=cmask, other=0).to(tl.float32)
         else:
-            x = tl.load(qkv_row + (J + i - (KERNEL - 1)) * C + c, mask=cmask, other=0).to(tl.float32)
+            x = tl.load(qkv_row + (J + i - (KERNEL - 1)) * QS + c, mask=cmask, other=0).to(tl.float32)
         acc += x * tl.load(w_ptr + c * KERNEL + i, mask=cmask, other=0).to(tl.float32)
     acc = acc.to(CONV_TY).to(tl.float32)
     return (acc / (1.0 + tl.exp(-acc))).to(OUT_TY).to(tl.float32)
 
 
 @triton.jit
-def _window_row(qkv_row, hist_ptr, c, cmask, C, E: tl.constexpr, KERNEL: tl.constexpr):
+def _window_row(qkv_row, hist_ptr, c, cmask, C, QS, E: tl.constexpr, KERNEL: tl.constexpr):
     """ext[E] of channels c (ext = [K-1 cached rows | the step's tokens]), in the storage dtype."""
     if E < KERNEL - 1:
         x = tl.load(hist_ptr + E * C + c, mask=cmask)
     else:
-        x = tl.load(qkv_row + (E - (KERNEL - 1)) * C + c, mask=cmask)
+        x = tl.load(qkv_row + (E - (KERNEL - 1)) * QS + c, mask=cmask)
     return x
 
 
 @triton.jit
-def _save_windows(qkv_row, hist_ptr, sconv_ptr, c, cmask, C, M: tl.constexpr, KERNEL: tl.constexpr):
+def _save_windows(qkv_row, hist_ptr, sconv_ptr, c, cmask, C, QS, M: tl.constexpr, KERNEL: tl.constexpr):
     """step_conv[j] <- ext[j+1 : j+K] for j < M-1 (before the cached rows change)."""
     for j in tl.static_range(M - 1):
         for i in tl.static_range(KERNEL - 1):
-            x = _window_row(qkv_row, hist_ptr, c, cmask, C, j + 1 + i, KERNEL)
+            x = _window_row(qkv_row, hist_ptr, c, cmask, C, QS, j + 1 + i, KERNEL)
             tl.store(sconv_ptr + (j * (KERNEL - 1) + i) * C + c, x, mask=cmask)
 
 
 @triton.jit
-def _shift_window(qkv_row, hist_ptr, c, cmask, C, M: tl.constexpr, KERNEL: tl.constexpr):
+def _shift_window(qkv_row, hist_ptr, c, cmask, C, QS, M: tl.constexpr, KERNEL: tl.constexpr):
     """conv_state rows <- ext[M : M+K-1]: the last K-1 inputs after the step's M tokens.
 
     Row i reads row i+M (> i) before that row is written; each thread stores only what it loaded."""
     for i in tl.static_range(KERNEL - 1):
-        x = _window_row(qkv_row, hist_ptr, c, cmask, C, M + i, KERNEL)
+        x = _window_row(qkv_row, hist_ptr, c, cmask, C, QS, M + i, KERNEL)
         tl.store(hist_ptr + i * C + c, x, mask=cmask)
 
 
@@ -187,7 +188,7 @@ def _ba_dots(x_row, w_ptr, h, HV, H, BH: tl.constexpr, ty: tl.constexpr):
 def _gdn_decode_kernel(
     qkv_ptr, z_ptr, b_ptr, a_ptr, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, nw_ptr, state_ptr, out_ptr, o_ws, cnt_ptr,
     slot_ptr, sstate_ptr, sconv_ptr,
-    C, KEY, HV, HK, DK, DV, eps,
+    C, KEY, HV, HK, DK, DV, eps, QS, ZS, BS, AS,
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     NVB, KERNEL: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
     HAS_SLOTS: tl.constexpr, SAVE_STATES: tl.constexpr, SAVE_CONV: tl.constexpr, PDL: tl.constexpr = False,
@@ -202,7 +203,7 @@ def _gdn_decode_kernel(
         slot = tl.load(slot_ptr + bi).to(tl.int64)
     else:
         slot = bi.to(tl.int64)
-    qkv_row = qkv_ptr + (bi * M).to(tl.int64) * C  # token 0 of this sequence
+    qkv_row = qkv_ptr + (bi * M).to(tl.int64) * QS  # token 0 of this sequence (rows QS apart: z, b, a by theirs)
     hist = conv_ptr + slot * (KERNEL - 1) * C
     dk = tl.arange(0, BDK)
     dmask = dk < DK
@@ -231,17 +232,17 @@ def _gdn_decode_kernel(
     wait_for_inputs(PDL)  # qkv, z (and b, a) come from the projections
     for j in tl.static_range(M):
         tok = bi * M + j
-        q = _conv_silu(qkv_row, hist, convw_ptr, cq, dmask, C, j, KERNEL, CONV_TY, ty)
-        k = _conv_silu(qkv_row, hist, convw_ptr, ck, dmask, C, j, KERNEL, CONV_TY, ty)
-        v = _conv_silu(qkv_row, hist, convw_ptr, cv, vmask, C, j, KERNEL, CONV_TY, ty)
+        q = _conv_silu(qkv_row, hist, convw_ptr, cq, dmask, C, QS, j, KERNEL, CONV_TY, ty)
+        k = _conv_silu(qkv_row, hist, convw_ptr, ck, dmask, C, QS, j, KERNEL, CONV_TY, ty)
+        v = _conv_silu(qkv_row, hist, convw_ptr, cv, vmask, C, QS, j, KERNEL, CONV_TY, ty)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * (1.0 / tl.sqrt(DK.to(tl.float32)))
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         if BA_IN:
             bv = tl.sum(tl.where(jj == j, b_all, 0.0), axis=0)
             av = tl.sum(tl.where(jj == j, a_all, 0.0), axis=0)
         else:
-            bv = tl.load(b_ptr + tok * HV + h).to(tl.float32)
-            av = tl.load(a_ptr + tok * HV + h).to(tl.float32)
+            bv = tl.load(b_ptr + tok * BS + h).to(tl.float32)
+            av = tl.load(a_ptr + tok * AS + h).to(tl.float32)
         beta = (1.0 / (1.0 + tl.exp(-bv))).to(ty).to(tl.float32)
         u = av + dtb
         softplus = tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(u)))
@@ -258,17 +259,17 @@ def _gdn_decode_kernel(
     tl.store(s_ptrs, s, mask=smask)
     sconv = sconv_ptr + (bi * (M - 1)).to(tl.int64) * (KERNEL - 1) * C
     if SAVE_CONV:
-        _save_windows(qkv_row, hist, sconv, cv, vmask, C, M, KERNEL)
-    _shift_window(qkv_row, hist, cv, vmask, C, M, KERNEL)  # this program's own v channels
+        _save_windows(qkv_row, hist, sconv, cv, vmask, C, QS, M, KERNEL)
+    _shift_window(qkv_row, hist, cv, vmask, C, QS, M, KERNEL)  # this program's own v channels
 
     cnt = cnt_ptr + bi * HK + kh
     if arrive(cnt, GROUP * NVB):
         # every program of this key head has read the old window and written its o
         if SAVE_CONV:
-            _save_windows(qkv_row, hist, sconv, cq, dmask, C, M, KERNEL)
-            _save_windows(qkv_row, hist, sconv, ck, dmask, C, M, KERNEL)
-        _shift_window(qkv_row, hist, cq, dmask, C, M, KERNEL)
-        _shift_window(qkv_row, hist, ck, dmask, C, M, KERNEL)
+            _save_windows(qkv_row, hist, sconv, cq, dmask, C, QS, M, KERNEL)
+            _save_windows(qkv_row, hist, sconv, ck, dmask, C, QS, M, KERNEL)
+        _shift_window(qkv_row, hist, cq, dmask, C, QS, M, KERNEL)
+        _shift_window(qkv_row, hist, ck, dmask, C, QS, M, KERNEL)
         gi = tl.arange(0, GROUPP)
         dv = tl.arange(0, BDV)
         heads = kh * GROUP + gi
@@ -281,13 +282,22 @@ def _gdn_decode_kernel(
             rms = tl.rsqrt(tl.sum(of * of, axis=1) / DV + eps)
             normed = (of * rms[:, None]).to(ty).to(tl.float32)
             gated = (nw[None, :] * normed).to(ty).to(tl.float32)
-            zz = tl.load(z_ptr + offs, mask=omask, other=0).to(tl.float32)
+            zz = tl.load(z_ptr + tok * ZS + heads[:, None] * DV + dv[None, :], mask=omask, other=0).to(tl.float32)
             res = gated * (zz / (1.0 + tl.exp(-zz)))
             tl.store(out_ptr + offs, res.to(ty), mask=omask)
         reset(cnt)
 
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A [N, width] input as it comes, rows possibly strided (a merged projection's column view, as in_proj_qkv+z
+    and b+a write them) -> (tensor, row stride). Copied only where a row's own elements are not contiguous: with
+    N > 1 (an MTP verify step) a copy per input was four PyTorch launches a GDN layer that broke the PDL chain."""
+    if t.dim() != 2 or t.stride(-1) != 1:
+        t = t.reshape(t.shape[0], -1).contiguous()
+    return t, t.stride(0)
 
 
 def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, num_k_heads: int,
@@ -332,12 +342,13 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
                              f"{list(x.shape)} and {list(weight.shape)}")
         b = a = x  # unread: the kernel takes the dots
         ba_args = dict(x_ptr=x, baw_ptr=weight, H=x.shape[1], BA_IN=True, BH=next_pow2(x.shape[1]), MP=next_pow2(m))
+    (qkv, qs), (z, zs), (b, bs), (a, as_) = (_rows(t) for t in (qkv, z, b, a))
     _gdn_decode_kernel[(nvb, hv, bsz)](
-        qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(), conv_state, conv_weight.contiguous(),
+        qkv, z, b, a, conv_state, conv_weight.contiguous(),
         A_log, dt_bias, norm_weight, state, out, o_ws, cnt,
         slots if slots is not None else state, step_states if save_states else state,
         step_conv if save_conv else conv_state,
-        conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps,
+        conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_,
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
         CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STATES=save_states,
         SAVE_CONV=save_conv, num_warps=num_warps or (2 if not INTERPRET else 1), **ba_args, **pdl_options(qkv.device),

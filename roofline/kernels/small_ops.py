@@ -140,7 +140,7 @@ def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 @triton.jit
 def _attention_prologue_kernel(qg_ptr, k_ptr, v_ptr, pos_ptr, kvpos_ptr, slot_ptr, qw_ptr, kw_ptr, inv_freq_ptr,
-                               q_out_ptr, kc_ptr, vc_ptr, H, HKV, D, T_CAP, M, eps,
+                               q_out_ptr, kc_ptr, vc_ptr, H, HKV, D, T_CAP, M, eps, QGS, KS, VS,
                                ROT: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)  # token row
@@ -154,10 +154,10 @@ def _attention_prologue_kernel(qg_ptr, k_ptr, v_ptr, pos_ptr, kvpos_ptr, slot_pt
     is_q = h < H
     kh = h - H
     if is_q:
-        base = qg_ptr + (t * H + h) * 2 * D  # [query D | gate D] per head
+        base = qg_ptr + t * QGS + h * 2 * D  # [query D | gate D] per head; token rows QGS apart (KS, VS for k, v)
         w_ptr = qw_ptr
     else:
-        base = k_ptr + (t * HKV + kh) * D
+        base = k_ptr + t * KS + kh * D
         w_ptr = kw_ptr
     x = tl.load(base + d, mask=mask, other=0).to(tl.float32)
     xp = tl.load(base + partner, mask=mask, other=0).to(tl.float32)
@@ -176,7 +176,7 @@ def _attention_prologue_kernel(qg_ptr, k_ptr, v_ptr, pos_ptr, kvpos_ptr, slot_pt
         slot = tl.load(slot_ptr + t // M).to(tl.int64)
         row = ((slot * T_CAP + tl.load(kvpos_ptr + t)) * HKV + kh) * D
         tl.store(kc_ptr + row + d, out, mask=mask)
-        v = tl.load(v_ptr + (t * HKV + kh) * D + d, mask=mask, other=0)
+        v = tl.load(v_ptr + t * VS + kh * D + d, mask=mask, other=0)
         tl.store(vc_ptr + row + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
@@ -188,16 +188,18 @@ def attention_prologue(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     zero-centred-RMSNormed per head, partial RoPE (rotate-half over the first 2 * len(inv_freq) dims) at
     `positions`, k and v written into the pool at (slots[token // M], kv_positions[token]). Returns q [n, H, D].
 
-    qg [n, H, 2D] ([query | gate] per head, as q_proj writes it), k, v [n, Hkv, D]; the caches
+    qg [n, H, 2D] ([query | gate] per head, as q_proj writes it), k, v [n, Hkv, D], each contiguous within a
+    token's row but the rows possibly strided (column views of the merged q/k/v projection: no copy); the caches
     [S, T, Hkv, D]. The roundings to the model dtype follow the reference (normed, cos/sin), except that
     RoPE's products are summed in fp32 before the one rounding."""
     n, hq, d2 = qg.shape
     hkv, d = k.shape[1], k.shape[2]
+    qg, k, v = (t if t[0].is_contiguous() else t.contiguous() for t in (qg, k, v))
     q = torch.empty(n, hq, d, dtype=qg.dtype, device=qg.device)
     _attention_prologue_kernel[(n, hq + hkv)](
-        qg.contiguous(), k.contiguous(), v.contiguous(), positions, kv_positions, slots, q_norm_w, k_norm_w,
+        qg, k, v, positions, kv_positions, slots, q_norm_w, k_norm_w,
         inv_freq.to(qg.device),
-        q, k_cache, v_cache, hq, hkv, d, k_cache.shape[1], tokens_per_seq, eps,
+        q, k_cache, v_cache, hq, hkv, d, k_cache.shape[1], tokens_per_seq, eps, qg.stride(0), k.stride(0), v.stride(0),
         ROT=2 * inv_freq.numel(), BD=next_pow2(d), **pdl_options(qg.device),
     )
     return q
