@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 14"), as phases that each fit one 10-minute
 # device call:
-#   OUT=... bash benchmarks/experiments.sh first    # GPU tests of the prefill-attention fix and the FP8 tensor-core
-#                                                   # variant, its sweep, an A/B of it end to end, the first prefill
-#                                                   # numbers (TTFT 4K / 32K by both INT4 many-rows paths), and a
-#                                                   # profiler trace of the engine's MTP step (~9.5 min)
+#   OUT=... bash benchmarks/experiments.sh second   # the strided-input fix's GPU tests, then the 122B / 35B / 27B
+#                                                   # tables with prefill and the engine loop (~8 min)
 #   OUT=... bash benchmarks/experiments.sh tests    # the pooled-decode / fast-path / generate-CLI GPU files (~5 min)
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
 #                                                   # experts kernels in 16-token chunks (~2 min)
@@ -32,14 +30,17 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  first)
-    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-    gpu_tests 80 -m gpu tests/test_chunked_prefill.py tests/test_kernels.py -k "prefill or fp8 or dense_matmul or router_top_k or residual_and_norm"
-    timeout 140 python3 benchmarks/kernels.py --quick --only fp8,router 2>&1 | tail -60
-    ROOFLINE_FP8_DOT=1 synthetic fp8-dot 100 --prefill 0 --engine-tokens 0 --batch-decode 0
-    # prefill (32K in four chunks of 8K: time to first token and peak memory) after the decode rows of the default
-    synthetic default 190 --prefill 4K,32K --engine-tokens 0 --batch-decode 0 --profile
-    timeout 100 python3 benchmarks/profile_mtp_engine.py 2>&1 | tail -80
+  second)  # after session 14's first call (NOTES): the strided GDN / attention inputs on the GPU, then the tables
+    gpu_tests 45 -m gpu tests/test_kernels.py -k "gdn_decode_pool"
+    gpu_tests 25 tests/test_small_ops.py -k "attention_prologue"  # unmarked tests: no -m gpu
+    gpu_tests 110 -m gpu tests/test_pooled_decode.py
+    timeout 230 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
+      --engine-tokens 256 --batch-decode 0 --profile --out "$OUT/$day-synthetic-qwen3.5-122b-a10b.json" 2>&1 \
+      | tee "$OUT/synthetic-122b.log" | grep -v "^| _\|^| void" | tail -60
+    for shape in qwen3.5-35b-a3b qwen3.5-27b; do
+      timeout 55 python3 -m roofline.cli bench synthetic --shape $shape --repeats 10 --prefill 0 --engine-tokens 0 \
+        --batch-decode 0 --out "$OUT/$day-synthetic-$shape.json" 2>&1 | grep "context\|M=1" | tail -5
+    done
     ;;
   tests)  # the files a 150 s limit cut in session 13
     gpu_tests 240 -m gpu tests/test_pooled_decode.py tests/test_fast_path.py tests/test_generate_cli.py
@@ -55,7 +56,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|tests|kernels|ab" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh second|tests|kernels|ab" >&2
     exit 2
     ;;
 esac
