@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 14"), as phases that each fit one 10-minute
 # device call:
-#   OUT=... bash benchmarks/experiments.sh second   # the strided-input fix's GPU tests, then the 122B / 35B / 27B
-#                                                   # tables with prefill and the engine loop (~8 min)
+#   OUT=... bash benchmarks/experiments.sh second   # the strided-input fix's GPU tests, then the 122B table with
+#                                                   # prefill and the engine loop (~6 min)
+#   OUT=... bash benchmarks/experiments.sh shapes   # the 35B-A3B and 27B rows (~2 min)
 #   OUT=... bash benchmarks/experiments.sh tests    # the pooled-decode / fast-path / generate-CLI GPU files (~5 min)
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
 #                                                   # experts kernels in 16-token chunks (~2 min)
@@ -33,10 +34,12 @@ case "${1:-}" in
   second)  # after session 14's first call (NOTES): the strided GDN / attention inputs on the GPU, then the tables
     gpu_tests 45 -m gpu tests/test_kernels.py -k "gdn_decode_pool"
     gpu_tests 25 tests/test_small_ops.py -k "attention_prologue"  # unmarked tests: no -m gpu
-    gpu_tests 110 -m gpu tests/test_pooled_decode.py
-    timeout 230 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
+    gpu_tests 90 -m gpu tests/test_pooled_decode.py
+    timeout 200 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
       --engine-tokens 256 --batch-decode 0 --profile --out "$OUT/$day-synthetic-qwen3.5-122b-a10b.json" 2>&1 \
       | tee "$OUT/synthetic-122b.log" | grep -v "^| _\|^| void" | tail -60
+    ;;
+  shapes)  # the 35B-A3B and 27B rows (decode at 0 / 8K / 32K, M rows), ~2 min
     for shape in qwen3.5-35b-a3b qwen3.5-27b; do
       timeout 55 python3 -m roofline.cli bench synthetic --shape $shape --repeats 10 --prefill 0 --engine-tokens 0 \
         --batch-decode 0 --out "$OUT/$day-synthetic-$shape.json" 2>&1 | grep "context\|M=1" | tail -5
@@ -56,7 +59,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh second|tests|kernels|ab" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh second|shapes|tests|kernels|ab" >&2
     exit 2
     ;;
 esac
