@@ -34,7 +34,7 @@ case "${1:-}" in
   second)  # after session 14's first call (NOTES): the strided GDN / attention inputs on the GPU, then the tables
     gpu_tests 45 -m gpu tests/test_kernels.py -k "gdn_decode_pool"
     gpu_tests 25 tests/test_small_ops.py -k "attention_prologue"  # unmarked tests: no -m gpu
-    gpu_tests 90 -m gpu tests/test_pooled_decode.py
+    gpu_tests 60 -m gpu tests/test_pooled_decode.py -k cuda_graph_greedy  # graph tokens = reference, MTP-2 too
     timeout 200 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
       --engine-tokens 256 --batch-decode 0 --profile --out "$OUT/$day-synthetic-qwen3.5-122b-a10b.json" 2>&1 \
       | tee "$OUT/synthetic-122b.log" | grep -v "^| _\|^| void" | tail -60
