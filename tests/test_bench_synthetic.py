@@ -65,6 +65,8 @@ def test_synthetic_command_on_gpu(tmp_path):
         assert 0 < row["fraction_of_ceiling"] < 1.2 and row["tok_s"] > 0
     assert [t["m"] for t in r["tokens_per_sequence"]] == [1, 2, 3, 4]
     assert r["breakdown_ms"]["routed experts"] > 0 and r["mtp"]["draft_step_ms"] > 0
+    verify, plain = r["mtp"]["verify_step_ms"], r["mtp"]["verify_step_ms_without_rollback"]  # JSON keys: "1".."3"
+    assert set(verify) == set(plain) == {"1", "2", "3"} and all(v > 0 for v in verify.values())
     prof = r["kernel_profile"]  # --profile: the captured step's kernels, as the CUDA profiler saw them
     assert prof["kernels_per_step"] >= 4 * 4 and 0 < prof["kernel_us_per_step"] and prof["span_us_per_step"] > 0
     assert prof["programmatic_dependent_launch"] == ("programmatic dependent launch" in r["kernels"])

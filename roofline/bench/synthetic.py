@@ -143,16 +143,17 @@ def fill_context(run: SyntheticRun, context: int, seed: int = 0) -> None:
     run.cache.advance(context)
 
 
-def decode_ms(run: SyntheticRun, m: int, repeats: int) -> tuple[float, float]:
-    """(engine step ms: inputs in, graph replay, argmax read back; replay alone ms): one sequence, m tokens."""
+def decode_ms(run: SyntheticRun, m: int, repeats: int, rollback: bool = False) -> tuple[float, float]:
+    """(engine step ms: inputs in, graph replay, argmax read back; replay alone ms): one sequence, m tokens. With
+    `rollback` the step also saves each position's GDN state and conv window, as the engine's MTP verify does."""
     ids = [1] * m
 
     def step():
-        buf = run.graphs.run(ids, [run.cache], m)
+        buf = run.graphs.run(ids, [run.cache], m, rollback=rollback)
         buf.logits[:m].argmax(-1).tolist()
 
     step_ms = _median_ms(step, repeats)
-    buf = run.graphs.run(ids, [run.cache], m)
+    buf = run.graphs.run(ids, [run.cache], m, rollback=rollback)
     return step_ms, device_ms(buf.graph.replay, repeats)
 
 
@@ -507,9 +508,11 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                          f" ms busy in a {kp.get('span_us_per_step', 0) / 1e3:.3f} ms span")
     draft = draft_ms(run, repeats)
     if draft is not None:
-        verify_k = {m - 1: ms for m, ms in verify.items() if m > 1}
+        # the verify step as the engine runs it: saving the GDN states a rejected draft rolls back to
+        verify_k = {m - 1: decode_ms(run, m, repeats, rollback=True)[0] for m in verify if m > 1}
         small = draft_ms(run, repeats, DRAFT_VOCAB)
         result["mtp"] = {"draft_step_ms": draft, "verify_step_ms": verify_k,
+                         "verify_step_ms_without_rollback": {m - 1: ms for m, ms in verify.items() if m > 1},
                          "modelled": modelled_mtp(verify[1], verify_k, draft, acceptance),
                          "draft_vocab": DRAFT_VOCAB, "draft_step_ms_small_vocab": small,
                          "modelled_small_vocab": modelled_mtp(verify[1], verify_k, small, acceptance)}
@@ -560,7 +563,13 @@ def format_report(r: dict) -> str:
     lines += [f"| {c} | {b[c]:.3f} | {b[c] / b['whole_step_graph']:.0%} |" for c in COMPONENTS if c in b]
     lines.append(f"| whole step (graph) | {b['whole_step_graph']:.3f} | |")
     if "mtp" in r:
-        lines += ["", f"MTP draft step {r['mtp']['draft_step_ms']:.3f} ms. Modelled (stated acceptance, not measured):",
+        rb = r["mtp"].get("verify_step_ms_without_rollback")  # absent before session 14: verify rows without it
+        lines += ["", f"MTP draft step {r['mtp']['draft_step_ms']:.3f} ms; verify steps "
+                      + ("saving the GDN states for the rollback, as the engine runs them" if rb else
+                         "(not saving the rollback's GDN states)") + ": " + ", ".join(
+                          f"k={k} {ms:.3f} ms" + (f" ({rb[k]:.3f} without)" if rb and k in rb else "")
+                          for k, ms in sorted(r["mtp"]["verify_step_ms"].items()))
+                  + ". Modelled from those (stated acceptance, not measured):",
                   "| k | acceptance | tokens/step | ms/step | tok/s | vs no MTP |", "|---|---|---|---|---|---|"]
         lines += [f"| {m['k']} | {', '.join(f'{a:.2f}' for a in m['acceptance'])} | {m['tokens_per_step']:.2f} | {m['step_ms']:.3f} | "
                   f"{m['tok_s']:.0f} | {m['speedup']:.2f}x |" for m in r["mtp"]["modelled"]]
