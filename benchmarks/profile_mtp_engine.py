@@ -72,46 +72,78 @@ def main():
                 engine.step()
             walls.append((time.perf_counter() - start) * 1e3)
         torch.cuda.synchronize()
-    n = args.steps
-    events = prof.key_averages()
-    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy_us = sum(e.device_time for e in gpu) if gpu else 0.0
-    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
-    kernels = sorted((e for e in events if e.device_time_total > 0), key=lambda e: e.device_time_total, reverse=True)
-    result = {
-        "shape": args.shape, "layers": args.layers, "mtp": args.mtp, "steps": n,
-        "step_ms_median": sorted(walls)[n // 2], "step_ms": walls,
-        "gpu_kernel_ms_per_step": busy_us / n / 1e3,
-        "regions_ms_per_step": {e.key: e.cpu_time_total / n / 1e3 for e in events
-                                if e.key.split(".")[0] in ("Engine", "MtpSpeculator", "DecodeGraphs")},
-        "host_ops_self_ms_per_step": [{"op": e.key, "calls": e.count / n, "ms": e.self_cpu_time_total / n / 1e3}
-                                      for e in host[:25]],
-        "gpu_kernels_ms_per_step": [{"kernel": e.key[:90], "calls": e.count / n, "ms": e.device_time_total / n / 1e3}
-                                    for e in kernels[:25]],
-    }
-    result["last_step"] = last_step_timeline(prof.events())
+    result = summarise(prof, walls, {"shape": args.shape, "layers": args.layers, "mtp": args.mtp})
     print(f"{args.shape}: MTP-{args.mtp} through Engine.step, median {result['step_ms_median']:.2f} ms a step, "
           f"GPU kernels {result['gpu_kernel_ms_per_step']:.2f} ms a step")
-    print("regions (host ms a step):", json.dumps({k: round(v, 3) for k, v in result["regions_ms_per_step"].items()}))
+    for key in ("host_ranges_ms_per_step", "gpu_ranges_ms_per_step"):
+        print(key, json.dumps({k: round(v, 3) for k, v in result[key].items()}))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    print(prof.key_averages().table(sort_by="device_time_total", row_limit=20))
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile-mtp-engine.json").write_text(json.dumps(result, indent=1))
     print("last step:", json.dumps(result["last_step"], indent=1))
 
 
+def summarise(prof, walls: list[float], meta: dict) -> dict:
+    """The profile of len(walls) engine steps, per step: wall times, GPU kernel time, the labelled ranges on the host
+    and on the GPU, the host ops and GPU kernels that take the most, and the last step's timeline."""
+    n = len(walls)
+    events = prof.events()
+    # The profiler also puts each labelled range on the GPU's timeline (a user annotation spanning the GPU work
+    # launched inside it): host ranges, GPU ranges and kernels are kept apart here.
+    host_ranges = [e for e in events if e.device_type == CPU and labelled(e.name)]
+    gpu_ranges = [e for e in events if e.device_type == CUDA and labelled(e.name)]
+    kernels = [e for e in events if e.device_type == CUDA and not labelled(e.name)]
+    host = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    result = {
+        **meta, "steps": n,
+        "step_ms_median": sorted(walls)[n // 2], "step_ms": walls,
+        "gpu_kernel_ms_per_step": sum(e.device_time for e in kernels) / n / 1e3,
+        "host_ranges_ms_per_step": per_name(host_ranges, n),
+        "gpu_ranges_ms_per_step": per_name(gpu_ranges, n),
+        "host_ops_self_ms_per_step": [{"op": e.key, "calls": e.count / n, "ms": e.self_cpu_time_total / n / 1e3}
+                                      for e in host[:25] if not labelled(e.key)],
+        "gpu_kernels_ms_per_step": sorted(({"kernel": k[:90], "calls": c / n, "ms": t / n / 1e3}
+                                           for k, (c, t) in _totals(kernels).items()), key=lambda r: -r["ms"])[:25],
+    }
+    result["last_step"] = last_step_timeline(events)
+    return result
+
+
+CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+
+def labelled(name: str) -> bool:
+    return name.split(".")[0] in ("Engine", "MtpSpeculator", "DecodeGraphs")
+
+
+def _totals(events) -> dict[str, tuple[int, float]]:
+    """name -> (count, summed duration in us)."""
+    totals: dict[str, tuple[int, float]] = {}
+    for e in events:
+        count, us = totals.get(e.name, (0, 0.0))
+        totals[e.name] = (count + 1, us + e.time_range.elapsed_us())
+    return totals
+
+
+def per_name(events, steps: int) -> dict[str, float]:
+    return {name: us / steps / 1e3 for name, (_, us) in _totals(events).items()}
+
+
 def last_step_timeline(events) -> dict:
-    """The last Engine.step: its labelled host regions (start offset and length, us) and the GPU's work in bursts
-    (kernels less than 5 us apart), so idle stretches and what the host did meanwhile show."""
-    steps = [e for e in events if e.name == "Engine.step"]
+    """The last Engine.step: its labelled host ranges and their GPU ranges (start offset and length, us), and the
+    GPU's kernels in bursts (less than 5 us apart), so idle stretches and what the host did meanwhile show."""
+    steps = [e for e in events if e.name == "Engine.step" and e.device_type == CPU]
     if not steps:
         return {}
     t0, t1 = steps[-1].time_range.start, steps[-1].time_range.end
-    regions = [{"name": e.name, "at": round(e.time_range.start - t0, 1), "us": round(e.time_range.elapsed_us(), 1)}
-               for e in events if e.name.split(".")[0] in ("MtpSpeculator", "DecodeGraphs")
-               and t0 <= e.time_range.start <= t1]
-    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+
+    def ranges(device):
+        return sorted(({"name": e.name, "at": round(e.time_range.start - t0, 1), "us": round(e.time_range.elapsed_us(), 1)}
+                       for e in events if e.device_type == device and labelled(e.name) and e.name != "Engine.step"
+                       and t0 <= e.time_range.start <= t1 + 10_000), key=lambda r: r["at"])
+
+    kernels = sorted((e for e in events if e.device_type == CUDA and not labelled(e.name)
                       and e.time_range.start >= t0 - 50), key=lambda e: e.time_range.start)
     bursts = []
     for e in kernels:
@@ -123,7 +155,7 @@ def last_step_timeline(events) -> dict:
             bursts.append({"start": start, "end": end, "kernels": 1, "first": e.name[:60]})
     for b in bursts:
         b["start"], b["end"] = round(b["start"], 1), round(b["end"], 1)
-    return {"host_us": round(t1 - t0, 1), "regions": sorted(regions, key=lambda r: r["at"]), "gpu_bursts": bursts[:60]}
+    return {"host_us": round(t1 - t0, 1), "host_ranges": ranges(CPU), "gpu_ranges": ranges(CUDA), "gpu_bursts": bursts[:60]}
 
 
 if __name__ == "__main__":
