@@ -370,10 +370,11 @@ def engine_prefill(model, prompts=(4096,), repeats: int = 3, warmup_tokens: int 
     """Prompt processing through `Engine.step` (llama-bench's "pp"): per prompt length, the median time of the
     step that prefills a fresh sequence and samples its first token (time to first token, no queueing), after
     one `warmup_tokens` prompt that compiles the prefill kernels. The median of 3 leaves out a first run that still
-    tunes kernels for a new length (fla's autotuning is per shape: a median of 2 averaged it in, H200 session 14). A model with INT4 routed experts is timed with
-    each INT4 many-rows path (`INT4_GEMM_KINDS`: dequantise + torch with the experts in a loop, the Triton GEMM with
-    the experts grouped); each row says which, and whether its first token is the first path's. Prompts prefill in chunks of the engine's default
-    max_num_batched_tokens; on CUDA each row has the peak memory of its prefills (the caller's peak is kept)."""
+    tunes kernels for a new length (fla's autotuning is per shape: a median of 2 averaged it in, H200 session 14).
+    A model with INT4 routed experts is timed with each INT4 many-rows path (`INT4_GEMM_KINDS`: dequantise + torch
+    with the experts in a loop, the Triton GEMM with the experts grouped); each row says which, and whether its
+    first token is the first path's. Prompts prefill in chunks of the engine's default max_num_batched_tokens; on
+    CUDA each row has the peak memory of its prefills (the caller's peak is kept)."""
     vocab = model.config.vocab_size
     engine = _one_sequence_engine(model, max(*prompts, warmup_tokens) + 2)
     cuda = model.device.type == "cuda"

@@ -141,6 +141,16 @@ def decode_rows(x: torch.Tensor, k: int, kernel: str) -> tuple[torch.Tensor, tup
     return x2, x.shape[:-1]
 
 
+def rows_in_place(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A [N, ...] kernel input whose rows t[i] are each contiguous but may lie any distance apart (a merged
+    projection's column view, as q/k/v, qkv+z, b+a and the router + shared gate write them) -> (t, row stride), with
+    no copy; copied only where a row's own elements are not contiguous. At N > 1 (an MTP verify step) a copy per
+    input was a PyTorch launch that also broke the decode kernels' PDL chain."""
+    if len(t) and not t[0].is_contiguous():
+        t = t.contiguous()
+    return t, t.stride(0)
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

@@ -48,7 +48,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, arrive, counters_for, next_pow2, pdl_options, reset, wait_for_inputs
+from ._common import (INTERPRET, arrive, counters_for, next_pow2, pdl_options, reset, rows_in_place,
+                      wait_for_inputs)
 
 MAX_TOKENS = 5  # tokens per sequence in one step (1 decode token + up to 4 MTP drafts)
 
@@ -291,15 +292,6 @@ def _gdn_decode_kernel(
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A [N, width] input as it comes, rows possibly strided (a merged projection's column view, as in_proj_qkv+z
-    and b+a write them) -> (tensor, row stride). Copied only where a row's own elements are not contiguous: with
-    N > 1 (an MTP verify step) a copy per input was four PyTorch launches a GDN layer that broke the PDL chain."""
-    if t.dim() != 2 or t.stride(-1) != 1:
-        t = t.reshape(t.shape[0], -1).contiguous()
-    return t, t.stride(0)
-
-
 def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, num_k_heads: int,
                eps: float = 1e-6, *, slots=None, tokens_per_seq: int = 1, step_states=None, step_conv=None,
                out=None, block_v: int | None = None, num_warps: int | None = None, counters=None,
@@ -342,7 +334,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
                              f"{list(x.shape)} and {list(weight.shape)}")
         b = a = x  # unread: the kernel takes the dots
         ba_args = dict(x_ptr=x, baw_ptr=weight, H=x.shape[1], BA_IN=True, BH=next_pow2(x.shape[1]), MP=next_pow2(m))
-    (qkv, qs), (z, zs), (b, bs), (a, as_) = (_rows(t) for t in (qkv, z, b, a))
+    (qkv, qs), (z, zs), (b, bs), (a, as_) = (rows_in_place(t) for t in (qkv, z, b, a))
     _gdn_decode_kernel[(nvb, hv, bsz)](
         qkv, z, b, a, conv_state, conv_weight.contiguous(),
         A_log, dt_bias, norm_weight, state, out, o_ws, cnt,

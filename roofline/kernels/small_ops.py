@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, pdl_options, wait_for_inputs
+from ._common import next_pow2, pdl_options, rows_in_place, wait_for_inputs
 
 
 @triton.jit
@@ -129,11 +129,10 @@ def _route_kernel(logits_ptr, experts_ptr, weights_ptr, E, STRIDE, K: tl.constex
 def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(experts [N, k] int64, weights [N, k] fp32 summing to 1) from router logits [N, E] (rows may be strided)."""
     n, e = logits.shape
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+    logits, row_stride = rows_in_place(logits)
     experts = torch.empty(n, k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
-    _route_kernel[(n,)](logits, experts, weights, e, logits.stride(0), K=k, KP=next_pow2(k), BE=next_pow2(e),
+    _route_kernel[(n,)](logits, experts, weights, e, row_stride, K=k, KP=next_pow2(k), BE=next_pow2(e),
                         **pdl_options(logits.device))
     return experts, weights
 
@@ -194,12 +193,12 @@ def attention_prologue(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     RoPE's products are summed in fp32 before the one rounding."""
     n, hq, d2 = qg.shape
     hkv, d = k.shape[1], k.shape[2]
-    qg, k, v = (t if t[0].is_contiguous() else t.contiguous() for t in (qg, k, v))
+    (qg, qgs), (k, ks), (v, vs) = (rows_in_place(t) for t in (qg, k, v))
     q = torch.empty(n, hq, d, dtype=qg.dtype, device=qg.device)
     _attention_prologue_kernel[(n, hq + hkv)](
         qg, k, v, positions, kv_positions, slots, q_norm_w, k_norm_w,
         inv_freq.to(qg.device),
-        q, k_cache, v_cache, hq, hkv, d, k_cache.shape[1], tokens_per_seq, eps, qg.stride(0), k.stride(0), v.stride(0),
+        q, k_cache, v_cache, hq, hkv, d, k_cache.shape[1], tokens_per_seq, eps, qgs, ks, vs,
         ROT=2 * inv_freq.numel(), BD=next_pow2(d), **pdl_options(qg.device),
     )
     return q
