@@ -63,10 +63,12 @@ def test_synthetic_command_on_gpu(tmp_path):
     assert r["copy_bandwidth"] > 1e11 and [d["context"] for d in r["decode"]] == [0, 2048]
     for row in r["decode"]:
         assert 0 < row["fraction_of_ceiling"] < 1.2 and row["tok_s"] > 0
-    assert [t["m"] for t in r["tokens_per_sequence"]] == [1, 2, 3, 4]
+    assert [(t["m"], t["token_ids"]) for t in r["tokens_per_sequence"]] == [
+        (1, "one"), *((m, ids) for m in (2, 3, 4) for ids in ("distinct", "repeated"))]
     assert r["breakdown_ms"]["routed experts"] > 0 and r["mtp"]["draft_step_ms"] > 0
     verify, plain = r["mtp"]["verify_step_ms"], r["mtp"]["verify_step_ms_without_rollback"]  # JSON keys: "1".."3"
-    assert set(verify) == set(plain) == {"1", "2", "3"} and all(v > 0 for v in verify.values())
+    one_id = r["mtp"]["verify_step_ms_repeated_id"]
+    assert set(verify) == set(plain) == set(one_id) == {"1", "2", "3"} and all(v > 0 for v in verify.values())
     prof = r["kernel_profile"]  # --profile: the captured step's kernels, as the CUDA profiler saw them
     assert prof["kernels_per_step"] >= 4 * 4 and 0 < prof["kernel_us_per_step"] and prof["span_us_per_step"] > 0
     assert prof["programmatic_dependent_launch"] == ("programmatic dependent launch" in r["kernels"])
@@ -75,9 +77,11 @@ def test_synthetic_command_on_gpu(tmp_path):
     assert any("gate_up" in k["name"] for k in prof["by_kernel"]), prof["by_kernel"][:5]  # the grouped experts kernel
     m3 = r["kernel_profile_m3"]  # the MTP-2 verify step's kernels: the same layers, so at least as many launches
     assert m3["kernels_per_step"] >= prof["kernels_per_step"] and m3["kernel_us_per_step"] > 0
-    rows = {t["m"]: t for t in r["tokens_per_sequence"]}  # the experts each step reads, counted from its routing
-    assert rows[1]["distinct_experts_per_layer"] == 8 and 8 <= rows[3]["distinct_experts_per_layer"] <= 24
-    assert rows[3]["bytes"] > rows[1]["bytes"] and 0 < rows[3]["fraction_of_ceiling"] < 1.2
+    rows = {(t["m"], t["token_ids"]): t for t in r["tokens_per_sequence"]}  # the experts each step reads (routing)
+    one, three = rows[(1, "one")], rows[(3, "distinct")]
+    assert one["distinct_experts_per_layer"] == 8 and 8 < three["distinct_experts_per_layer"] <= 24
+    assert 8 <= rows[(3, "repeated")]["distinct_experts_per_layer"] <= three["distinct_experts_per_layer"]
+    assert three["bytes"] > one["bytes"] and 0 < three["fraction_of_ceiling"] < 1.2
     assert [(p["prompt_tokens"], p["int4_gemm"]) for p in r["prefill"]] == [(1024, "dequant"), (1024, "triton")]
     batch = {(d["sequences"], d["m"], d["int4_gemm"]): d for d in r["batch_decode"]}  # the default 8x1, 8x3
     assert set(batch) == {(8, m, k) for m in (1, 3) for k in ("dequant", "triton")}
@@ -161,11 +165,12 @@ def test_batch_decode_rows_time_each_int4_many_rows_path(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU runs it in the command above")
 def test_step_bytes_count_the_distinct_experts_a_verify_step_reads():
-    """One row reads its top_k experts a layer; three rows between top_k and 3 x top_k distinct ones, and the step's
-    bytes grow by exactly those extra experts' share of the stored experts (the pooled step in the interpreter).
-    The bench samples the routing once after its timed replays; each step moves the GDN state, so samples differ."""
+    """One row reads its top_k experts a layer; three rows of distinct ids between top_k and 3 x top_k distinct ones,
+    and the step's bytes grow by exactly those extra experts' share of the stored experts (the pooled step in the
+    interpreter). The bench samples the routing once after its timed replays; each step moves the GDN state, so
+    samples differ."""
     pytest.importorskip("triton")
-    from roofline.bench.synthetic import SyntheticRun, _pool_bytes, _step_bytes, distinct_experts
+    from roofline.bench.synthetic import SyntheticRun, _pool_bytes, _step_bytes, distinct_experts, step_ids
     from roofline.engine.cache import CachePool
     from roofline.engine.graphs import DecodeGraphs
     from roofline.kernels.dispatch import install_fast_path
@@ -176,14 +181,23 @@ def test_step_bytes_count_the_distinct_experts_a_verify_step_reads():
     pool = CachePool(cfg, cfg.layer_types, 1, 64, "cpu", model.dtype)
     run = SyntheticRun(model, pool, DecodeGraphs(model, pool, 1, use_graphs=False), pool.acquire(), None)
     k = cfg.num_experts_per_tok
-    assert distinct_experts(run, 1) == k
-    three = distinct_experts(run, 3)
-    assert k < three <= min(3 * k, cfg.num_experts)  # the rows' routes differ here (seeded weights)
+    assert distinct_experts(run, 1) == distinct_experts(run, 1, distinct=True) == k
+    three = distinct_experts(run, 3, distinct=True)
+    assert k < three <= min(3 * k, cfg.num_experts)  # distinct ids route apart (seeded weights)
     tb, (state, _) = engine_token_bytes(model), _pool_bytes(pool)
-    one, many = _step_bytes(run, tb, 1, 2.0, 1e9), _step_bytes(run, tb, 3, 4.0, 1e9)
+    one, many = _step_bytes(run, tb, 1, 2.0, 1e9), _step_bytes(run, tb, 3, 4.0, 1e9, distinct=True)
     assert one["bytes"] == tb.weights + state and one["fraction_of_ceiling"] == pytest.approx(one["bytes"] / 1e9 / 2e-3)
     extra = many["distinct_experts_per_layer"] - k  # a new sample: each step moves the GDN state, and the routing
     assert many["bytes"] - one["bytes"] == pytest.approx(tb.experts_stored * extra / tb.num_experts)
+
+
+def test_step_ids_repeat_one_id_or_draw_distinct_ones():
+    """The bench's M rows: one id repeated, or M distinct ids in the vocabulary, the same ones every run."""
+    from roofline.bench.synthetic import step_ids
+
+    assert step_ids(1000, 3, distinct=False) == [1, 1, 1] and step_ids(1000, 1, distinct=True) == [1]
+    ids = step_ids(1000, 4, distinct=True)
+    assert len(set(ids)) == 4 and all(0 <= i < 1000 for i in ids) and ids == step_ids(1000, 4, distinct=True)
 
 
 def test_batch_decode_shapes_are_parsed_or_refused_by_name():

@@ -11,7 +11,9 @@ measures in the same run:
 - decode time per token at batch 1 at each context (median of repeats of the whole engine
   step: inputs copied in, the captured graph replayed, the next token read back), tok/s and
   the fraction of the ceiling (bytes per token / copy bandwidth, over the step time);
-- the step time for M = 2..4 tokens per sequence (the MTP verify step) against M = 1;
+- the step time for M = 2..4 tokens per sequence (the MTP verify step) against M = 1, on distinct
+  token ids (rows routed independently, as a verify step's drafts are) and on one id repeated (the
+  rows route alike: M = 1's bytes, so what the extra rows cost the kernels);
 - a breakdown: each component (attention, GDN, routed experts, shared expert, LM head)
   captured as its own graph over all layers; "rest" is the whole step minus their sum;
 - the MTP draft step and the tok/s of MTP-k at stated acceptance rates, labelled modelled
@@ -143,10 +145,20 @@ def fill_context(run: SyntheticRun, context: int, seed: int = 0) -> None:
     run.cache.advance(context)
 
 
-def decode_ms(run: SyntheticRun, m: int, repeats: int, rollback: bool = False) -> tuple[float, float]:
-    """(engine step ms: inputs in, graph replay, argmax read back; replay alone ms): one sequence, m tokens. With
-    `rollback` the step also saves each position's GDN state and conv window, as the engine's MTP verify does."""
-    ids = [1] * m
+def step_ids(vocab: int, m: int, distinct: bool) -> list[int]:
+    """Token ids of a timed m-token step: one id repeated (the rows route alike, so the step reads M = 1's experts:
+    what more rows cost the kernels), or m distinct ids (the rows route independently, as a verify step's last
+    token and drafts do: the experts a real verify step reads)."""
+    if not distinct or m == 1:
+        return [1] * m
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(m))[:m].tolist()
+
+
+def decode_ms(run: SyntheticRun, m: int, repeats: int, rollback: bool = False, distinct: bool = False) -> tuple[float, float]:
+    """(engine step ms: inputs in, graph replay, argmax read back; replay alone ms): one sequence, m tokens
+    (`step_ids`). With `rollback` the step also saves each position's GDN state and conv window, as the engine's
+    MTP verify does."""
+    ids = step_ids(run.model.config.vocab_size, m, distinct)
 
     def step():
         buf = run.graphs.run(ids, [run.cache], m, rollback=rollback)
@@ -157,9 +169,9 @@ def decode_ms(run: SyntheticRun, m: int, repeats: int, rollback: bool = False) -
     return step_ms, device_ms(buf.graph.replay, repeats)
 
 
-def distinct_experts(run: SyntheticRun, m: int) -> float | None:
-    """Mean number of distinct routed experts per MoE layer that the timed m-token step reads (its m rows route
-    independently, so a verify step reads up to m x top_k experts a layer): the same step run once eagerly, with
+def distinct_experts(run: SyntheticRun, m: int, distinct: bool = False) -> float | None:
+    """Mean number of distinct routed experts per MoE layer that the timed m-token step (`step_ids`) reads (each
+    row routes on its own, so a step reads up to m x top_k experts a layer): the same step run once eagerly, with
     the MoE blocks' routing recorded. None for a dense model or where the blocks record nothing."""
     from ..kernels.blocks import recording_routes
 
@@ -167,7 +179,7 @@ def distinct_experts(run: SyntheticRun, m: int) -> float | None:
         return None
     eager = DecodeGraphs(run.model, run.pool, 1, use_graphs=False)
     with recording_routes() as routes:
-        eager.run([1] * m, [run.cache], m)
+        eager.run(step_ids(run.model.config.vocab_size, m, distinct), [run.cache], m)
     return statistics.mean(len(torch.unique(r)) for r in routes) if routes else None
 
 
@@ -407,15 +419,15 @@ def _pool_bytes(pool: CachePool) -> tuple[int, int]:
     return 2 * state, pool.kv_bytes_per_token
 
 
-def _step_bytes(run: SyntheticRun, tb: TokenBytes, m: int, step_ms: float, copy_bw: float) -> dict:
+def _step_bytes(run: SyntheticRun, tb: TokenBytes, m: int, step_ms: float, copy_bw: float, distinct: bool = False) -> dict:
     """What an m-token step at context 0 reads, with the routed experts it really touches (distinct_experts) in
     place of one token's top_k, and that against its time: why a verify step costs what it does."""
-    distinct = distinct_experts(run, m)
-    if distinct is None:
+    experts = distinct_experts(run, m, distinct)
+    if experts is None:
         return {}
     state, _ = _pool_bytes(run.pool)
-    nbytes = tb.weights + tb.experts_stored * (distinct - tb.top_k) / tb.num_experts + state
-    return {"distinct_experts_per_layer": distinct, "bytes": nbytes,
+    nbytes = tb.weights + tb.experts_stored * (experts - tb.top_k) / tb.num_experts + state
+    return {"distinct_experts_per_layer": experts, "bytes": nbytes,
             "fraction_of_ceiling": nbytes / copy_bw / (step_ms / 1e3)}
 
 
@@ -487,12 +499,19 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
 
     fill_context(run, 0)
     at_zero = next(((r["step_ms"], r["replay_ms"]) for r in rows if r["context"] == 0), None) or decode_ms(run, 1, repeats)
+    # M rows twice: distinct ids (a real verify step's bytes: the target's figure) and one id repeated (M = 1's bytes)
     verify = {1: at_zero[0]}
+    repeated = {1: at_zero[0]}
     for m in verify_tokens:
-        verify[m] = decode_ms(run, m, repeats)[0]
-    result["tokens_per_sequence"] = [{"m": m, "step_ms": ms, "vs_m1": ms / verify[1], **_step_bytes(run, tb, m, ms, copy_bw)}
-                                     for m, ms in sorted(verify.items())]
-    progress("step time by tokens per sequence: " + ", ".join(f"M={m} {ms:.3f} ms" for m, ms in sorted(verify.items())))
+        verify[m] = decode_ms(run, m, repeats, distinct=True)[0]
+        repeated[m] = decode_ms(run, m, repeats)[0]
+    result["tokens_per_sequence"] = [
+        {"m": m, "token_ids": ids, "step_ms": ms, "vs_m1": ms / verify[1],
+         **_step_bytes(run, tb, m, ms, copy_bw, distinct=ids == "distinct")}
+        for m in sorted(verify) for ids, ms in ((("one", verify[m]),) if m == 1 else
+                                                (("distinct", verify[m]), ("repeated", repeated[m])))]
+    progress("step time by tokens per sequence, distinct ids (one id repeated): " + ", ".join(
+        f"M={m} {ms:.3f} ms" + (f" ({repeated[m]:.3f})" if m > 1 else "") for m, ms in sorted(verify.items())))
 
     parts = breakdown_ms(run, 0, repeats)
     whole = at_zero[1]
@@ -509,11 +528,13 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                          f" ms busy in a {kp.get('span_us_per_step', 0) / 1e3:.3f} ms span")
     draft = draft_ms(run, repeats)
     if draft is not None:
-        # the verify step as the engine runs it: saving the GDN states a rejected draft rolls back to
-        verify_k = {m - 1: decode_ms(run, m, repeats, rollback=True)[0] for m in verify if m > 1}
+        # the verify step as the engine runs it: distinct ids, saving the GDN states a rejected draft rolls back to
+        verify_k = {m - 1: decode_ms(run, m, repeats, rollback=True, distinct=True)[0] for m in verify if m > 1}
         small = draft_ms(run, repeats, DRAFT_VOCAB)
         result["mtp"] = {"draft_step_ms": draft, "verify_step_ms": verify_k,
                          "verify_step_ms_without_rollback": {m - 1: ms for m, ms in verify.items() if m > 1},
+                         "verify_step_ms_repeated_id": {m - 1: decode_ms(run, m, repeats, rollback=True)[0]
+                                                        for m in verify if m > 1},
                          "modelled": modelled_mtp(verify[1], verify_k, draft, acceptance),
                          "draft_vocab": DRAFT_VOCAB, "draft_step_ms_small_vocab": small,
                          "modelled_small_vocab": modelled_mtp(verify[1], verify_k, small, acceptance)}
@@ -541,6 +562,11 @@ def _gib(nbytes: int | None) -> str:
     return "-" if nbytes is None else f"{nbytes / 2**30:.1f}"
 
 
+def _aside(parts: list[str]) -> str:
+    said = [p for p in parts if p]
+    return f" ({', '.join(said)})" if said else ""
+
+
 def format_report(r: dict) -> str:
     gb = 1e9
     lines = [f"{r['shape']}{' (first %d layers)' % r['layers'] if r['layers'] else ''}, {r['layout']}; "
@@ -554,9 +580,9 @@ def format_report(r: dict) -> str:
     for row in r["decode"]:
         lines.append(f"| {row['context']} | {row['bytes_per_token'] / gb:.2f} | {row['ceiling_tok_s']:.0f} | {row['tok_s']:.1f} | "
                      f"{row['step_ms']:.3f} | {row['replay_ms']:.3f} | {row['fraction_of_ceiling']:.2f} |")
-    lines += ["", "| tokens per sequence (M) | step ms | vs M=1 | distinct experts a layer | GB read | of ceiling |",
-              "|---|---|---|---|---|---|"]
-    lines += [f"| {t['m']} | {t['step_ms']:.3f} | {t['vs_m1']:.2f}x | "
+    lines += ["", "| tokens per sequence (M) | token ids | step ms | vs M=1 | distinct experts a layer | GB read | of ceiling |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {t['m']} | {t.get('token_ids', 'repeated')} | {t['step_ms']:.3f} | {t['vs_m1']:.2f}x | "
               + (f"{t['distinct_experts_per_layer']:.1f} | {t['bytes'] / gb:.2f} | {t['fraction_of_ceiling']:.2f} |"
                  if "bytes" in t else "- | - | - |") for t in r["tokens_per_sequence"]]
     b = r["breakdown_ms"]
@@ -565,10 +591,13 @@ def format_report(r: dict) -> str:
     lines.append(f"| whole step (graph) | {b['whole_step_graph']:.3f} | |")
     if "mtp" in r:
         rb = r["mtp"].get("verify_step_ms_without_rollback")  # absent before session 14: verify rows without it
+        rep = r["mtp"].get("verify_step_ms_repeated_id")  # absent before session 15: verify rows repeated one id
         lines += ["", f"MTP draft step {r['mtp']['draft_step_ms']:.3f} ms; verify steps "
+                      + ("of distinct ids " if rep else "of one id repeated ")
                       + ("saving the GDN states for the rollback, as the engine runs them" if rb else
                          "(not saving the rollback's GDN states)") + ": " + ", ".join(
-                          f"k={k} {ms:.3f} ms" + (f" ({rb[k]:.3f} without)" if rb and k in rb else "")
+                          f"k={k} {ms:.3f} ms" + _aside([f"{rb[k]:.3f} without" if rb and k in rb else "",
+                                                          f"{rep[k]:.3f} on one id" if rep and k in rep else ""])
                           for k, ms in sorted(r["mtp"]["verify_step_ms"].items()))
                   + ". Modelled from those (stated acceptance, not measured):",
                   "| k | acceptance | tokens/step | ms/step | tok/s | vs no MTP |", "|---|---|---|---|---|---|"]
