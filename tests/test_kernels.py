@@ -383,6 +383,49 @@ def test_fp8_matmul_gpu_wide_tiles(m, config):
     check_fp8(m, 2048, 3072 + 128, (128, 128), torch.bfloat16, GPU, config)
 
 
+def check_gated(m, n, k, fp8, dtype, device, config=None):
+    """The down projection taking silu(gate) * up on load (`gated`) equals silu_mul's launch then the GEMV, bit for
+    bit (the same rounding of the activation, the same sums), on a [gate | up] input whose rows lie apart."""
+    from roofline.kernels.small_ops import silu_mul
+
+    torch.manual_seed(m + n + k)
+    wide = torch.randn(m, 2 * k + 8, device=device).to(dtype) * 3
+    gate_up = wide[:, 4 : 4 + 2 * k]  # a column view: rows 2k + 8 apart
+    w = torch.randn(n, k)
+    weight, scale = quantize_fp8_block(w, (128, 128)) if fp8 else (w.to(dtype), None)
+    weight, scale = weight.to(device), None if scale is None else scale.to(device)
+    y = fp8_matmul(gate_up, weight, scale, (128, 128), gated=True, config=config,
+                   out=nan_like(torch.empty(m, n, dtype=dtype, device=device)))
+    assert torch.equal(y, fp8_matmul(silu_mul(gate_up), weight, scale, (128, 128), config=config))
+    assert_counters_zero()
+
+
+@cpu
+@pytest.mark.parametrize("m,n,k,fp8,config", [
+    (1, 40, 200, True, None),  # K split, K not a multiple of the tile
+    (3, 24, 256, False, {"SPLIT_K": 1}),
+    (4, 33, 384, True, {"SPLIT_K": 2}),
+])
+def test_gated_down_projection_interpreter(m, n, k, fp8, config):
+    check_gated(m, n, k, fp8, torch.float16, "cpu", config)
+
+
+def test_gated_and_norm_prologues_are_refused_together():
+    from roofline.kernels.fp8_gemv import NormOnLoad
+
+    x, w = torch.randn(1, 64), torch.randn(8, 32)
+    norm = NormOnLoad(torch.zeros(1, 4), torch.zeros(32), 1e-6)
+    with pytest.raises(ValueError, match="gated and norm are two prologues"):
+        fp8_matmul(x, w, None, gated=True, norm=norm)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("n,k,fp8", [(3072, 1024, True), (2048, 1024, False)])  # the 122B / 35B shared down
+def test_gated_down_projection_gpu(m, n, k, fp8):
+    check_gated(m, n, k, fp8, torch.bfloat16, GPU)
+
+
 def check_dense(m, n, k, dtype, device, tol):
     torch.manual_seed(m + n)
     w = torch.randn(n, k, device=device).to(dtype)

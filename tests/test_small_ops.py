@@ -213,3 +213,29 @@ def test_router_gemv_routes_as_the_top_k_kernel(merged):
         want_e, want_w, want_gate = _route(moe, norm.normed)
         assert_same_routing((experts, weights), (want_e, want_w))
         assert torch.equal(gate_logit, want_gate)
+
+
+@runs_here
+def test_shared_expert_takes_its_activation_in_the_down_gemv(monkeypatch):
+    """The default layout's FP8 shared experts on the fast path: each one's down GEMV takes silu * up on load (counted
+    among the installed kernels) and gives what the silu_mul launch and the GEMV give, bit for bit, at 1..4 rows."""
+    from roofline.bench.synthetic import build_synthetic_model
+    from roofline.checkpoint.shapes import resolve_layout
+    from roofline.kernels import blocks
+    from roofline.model.layers import SparseMoE
+    from roofline.quant import Fp8BlockWeight
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    model, _ = build_synthetic_model("tiny", resolve_layout("hybrid", {"lm_head": "int8"}), DEVICE, dtype)
+    installed = dispatch.install_fast_path(model, allow_cpu=True).installed
+    shared = [m.shared_expert for m in model.modules() if isinstance(m, SparseMoE)]
+    fp8 = [m for m in shared if isinstance(m.down_proj, Fp8BlockWeight)]  # the MTP layer's stays 16-bit dense here
+    assert fp8 and installed["mlp activation in the down GEMV's prologue"] >= len(fp8)
+    torch.manual_seed(0)
+    for rows in (1, 4):
+        x = torch.randn(rows, model.config.hidden_size, device=DEVICE).to(dtype)
+        assert blocks.silu_in_down(fp8[0]) is not None
+        on = fp8[0](x)
+        monkeypatch.setattr(blocks, "SILU_IN_DOWN", False)
+        assert blocks.silu_in_down(fp8[0]) is None and torch.equal(fp8[0](x), on)
+        monkeypatch.setattr(blocks, "SILU_IN_DOWN", True)

@@ -5,7 +5,9 @@ Same math as `DecoderLayer.forward` and `SparseMoE.forward`, rounded where they 
 - layer: h = x + mixer(norm1(x)); the add and norm2 are one launch (`add_rms_norm`); the MoE block
   adds h itself, in its last kernel;
 - MLP (the dense model's, and the MoE's shared expert): gate and up as one merged GEMV, silu * up
-  in one kernel, down: 3 launches where the model code runs 5;
+  in one kernel, down: 3 launches where the model code runs 5; 2 where the down projection runs on
+  fp8_gemv's kernel (FP8 or dense 16-bit), which takes silu * up on load (`gated`; ROOFLINE_SILU_IN_DOWN=0
+  keeps the silu_mul launch);
 - MoE (INT4 routed experts): router and shared-expert gate as one merged GEMV with the router's
   softmax / top-k in its epilogue (`fp8_gemv.router_top_k`, where the router is a dense or FP8
   weight; else a separate top-k kernel), the routed experts' gate_up, the shared expert (3), then
@@ -39,6 +41,7 @@ from .fp8_gemv import NormOnLoad, fp8_matmul, router_top_k
 from .small_ops import add_rms_norm, route_top_k, silu_mul
 
 NORM_IN_GEMVS = os.environ.get("ROOFLINE_NORM_IN_GEMVS", "1") != "0"
+SILU_IN_DOWN = os.environ.get("ROOFLINE_SILU_IN_DOWN", "1") != "0"
 
 
 def gemv_operands(weight) -> tuple | None:
@@ -146,6 +149,11 @@ def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residu
                         residual=None if residual is None else residual.contiguous())
 
 
+def silu_in_down(mlp: MLP) -> tuple | None:
+    """The down projection's fp8_gemv operands where it takes the activation on load (`SILU_IN_DOWN`), else None."""
+    return gemv_operands(mlp.down_proj) if SILU_IN_DOWN else None
+
+
 def mlp_forward(mlp: MLP, x: torch.Tensor, norm: NormOnLoad | None = None) -> torch.Tensor:
     """MLP.forward with gate and up as one merged projection and silu * up as one kernel; with `norm` (the MoE
     block's shared expert, `norm_in_gemvs`) the merged gate_up norms its input in its prologue."""
@@ -156,6 +164,9 @@ def mlp_forward(mlp: MLP, x: torch.Tensor, norm: NormOnLoad | None = None) -> to
         return MLP.forward(mlp, x)
     else:
         gate_up = both.merged(x)
+    down = silu_in_down(mlp)
+    if down is not None:  # the down GEMV takes silu * up on load: no silu_mul launch
+        return fp8_matmul(gate_up, *down, gated=True).view(*x.shape[:-1], -1)
     return mlp.down_proj(silu_mul(gate_up.reshape(-1, 2 * mlp.gate_proj.out_features)).view(*x.shape[:-1], -1))
 
 

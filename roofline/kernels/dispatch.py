@@ -284,7 +284,7 @@ def _install_merged_projections(model: torch.nn.Module, installed: Counter) -> N
 
 def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
     """Decoder layers, MoE blocks and MLPs with fewer launches for decode rows (blocks.py)."""
-    from .blocks import fused_router, layer_forward, mlp_forward, moe_forward, norm_in_gemvs
+    from .blocks import fused_router, layer_forward, mlp_forward, moe_forward, norm_in_gemvs, silu_in_down
     from .int4_gemv import is_symmetric
 
     apart = 0
@@ -305,6 +305,8 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
             module.forward = partial(layer_forward, module)
             installed["fused decoder layer"] += 1
     for module in model.modules():  # after the MoE blocks' own forwards, which norm_in_gemvs checks
+        if isinstance(module, MLP) and silu_in_down(module) is not None:
+            installed["mlp activation in the down GEMV's prologue"] += 1
         if isinstance(module, DecoderLayer):
             module.norm_in_gemvs = norm_in_gemvs(module, model.dtype)
             if module.norm_in_gemvs:

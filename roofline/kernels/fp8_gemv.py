@@ -23,6 +23,11 @@ written by the mixer's out projection together with each column tile's sum of h^
 multiplies rmsnorm(h) * (1 + w), rounded as small_ops.add_rms_norm rounds, on the fly; the programs of
 the first column tile also store the normed rows (each its K range) when asked, for the routed experts.
 The router and the shared expert's gate_up both take it, so the add_rms_norm launch leaves the layer.
+
+`gated=True` puts the MLP's activation in the prologue of its down projection: x is the gate_up output
+[gate | up] and every program takes silu(gate) * up of its K range on load, rounded as small_ops.silu_mul
+rounds, so the silu_mul launch leaves the shared expert (each of a layer's ~hundreds of programs recomputes
+its slice: a few hundred exps a row, against the launch and the PDL hand-off it saves).
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def _fp8_gemv_kernel(
     HAS_SCALE: tl.constexpr = True, PDL: tl.constexpr = False,
     experts_ptr=None, weights_ptr=None, E=0, TOPK: tl.constexpr = 0, KP: tl.constexpr = 1, BE: tl.constexpr = 1,
     ss_ptr=None, nw_ptr=None, normed_ptr=None, eps=0.0, NT=1, NORM: tl.constexpr = False,
-    NORM_OUT: tl.constexpr = False, NTP: tl.constexpr = 1,
+    NORM_OUT: tl.constexpr = False, NTP: tl.constexpr = 1, XS=0, GATED: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -93,15 +98,20 @@ def _fp8_gemv_kernel(
         w = w_next
         kn = k0 + BK + kk
         w_next = tl.load(w_ptr + n_offs[:, None] * K + kn[None, :], mask=n_mask[:, None] & (kn < k_end)[None, :], other=0.0)
-        xk = m[:, None] * K + k[None, :]
+        xk = m[:, None] * XS + k[None, :]
         xmask = m_mask[:, None] & kmask[None, :]
-        x = tl.load(x_ptr + xk, mask=xmask, other=0.0)
+        if GATED:  # as small_ops.silu_mul: silu(gate) rounded to the dtype, times up
+            g = tl.load(x_ptr + xk, mask=xmask, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + xk + K, mask=xmask, other=0.0)
+            x = (g / (1.0 + tl.exp(-g))).to(u.dtype) * u
+        else:
+            x = tl.load(x_ptr + xk, mask=xmask, other=0.0)
         if NORM:  # as small_ops.add_rms_norm: (x * rstd) * (1 + w), rounded to the model dtype
             nw = tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * rstd[:, None] * (1.0 + nw)[None, :]).to(x.dtype)
             if NORM_OUT:
                 if pid_n == 0:
-                    tl.store(normed_ptr + xk, x, mask=xmask)
+                    tl.store(normed_ptr + m[:, None] * K + k[None, :], x, mask=xmask)
         x = x.to(tl.float32)
         if HAS_SCALE:  # the block scale of each k (a tile may span several scale blocks along K)
             x = x * tl.load(srow + k // SBK, mask=kmask, other=0.0).to(tl.float32)[None, :]
@@ -162,13 +172,19 @@ def default_config(m: int) -> dict:
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, block=(128, 128), *, out=None,
                config: dict | None = None, counters: torch.Tensor | None = None, route: tuple | None = None,
-               norm: NormOnLoad | None = None) -> torch.Tensor:
+               norm: NormOnLoad | None = None, gated: bool = False) -> torch.Tensor:
     """y = x @ W^T for x [..., K] with 1..4 rows, W block FP8 [N, K] with scale_inv per (bn, bk) block
     (scale_inv None: W is used as it is stored, see dense_matmul). `route` = (experts [M, k] int64, weights
     [M, k] fp32, E): also write each row's routing over its first E outputs (see router_top_k). `norm`:
-    y = rms_norm(x) @ W^T (see NormOnLoad)."""
+    y = rms_norm(x) @ W^T (see NormOnLoad). `gated`: x is [..., 2K] = [gate | up] per row (rows may lie apart) and
+    y = small_ops.silu_mul(x) @ W^T, the MLP's down projection taking its activation on load (one launch fewer)."""
     n, k = weight.shape
-    x2, lead = decode_rows(x, k, "fp8_matmul")
+    if gated:
+        if norm is not None:
+            raise ValueError("fp8_matmul: gated and norm are two prologues; one call takes one")
+        x2, lead = decode_rows(x, 2 * k, "fp8_matmul")  # contiguous [M, 2K]
+    else:
+        x2, lead = decode_rows(x, k, "fp8_matmul")
     m = x2.shape[0]
     cfg = default_config(m)
     cfg.update(config or {})
@@ -199,7 +215,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
         scale_inv.shape[-1] if scale_inv is not None else 0,
         SBN=bn_s, SBK=bk_s, BM=max(1, 1 << (m - 1).bit_length()), BN=bn, BK=bk, SPLIT_K=split, SPLITP=next_pow2(split),
         HAS_SCALE=scale_inv is not None, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
-        **routing, **_norm_args(norm, x2), **pdl_options(x.device),
+        XS=x2.shape[1], GATED=gated, **routing, **_norm_args(norm, x2), **pdl_options(x.device),
     )
     return out.reshape(*lead, n)
 
