@@ -180,9 +180,12 @@ class MtpSpeculator:
                 ids = [x for t, p in zip(tokens, pad) for x in t + [0] * p]
                 rows = torch.cat([torch.cat([h, h.new_zeros(p, h.shape[1])]) for h, p in zip(hidden, pad)])
             buf = self.draft_graphs.run(ids, caches, m, hidden=rows)
-            last = device_tensor([i * m + n - 1 for i, n in enumerate(lengths)], model.device)
             for cache, n in zip(caches, lengths):
                 cache.advance(n)
+            b = len(caches)
+            if all(n == m for n in lengths):  # each sequence's last pair ends its m rows: views, no gather kernels
+                return buf.hidden[: b * m].view(b, m, -1)[:, -1], buf.logits[: b * m].view(b, m, -1)[:, -1]
+            last = device_tensor([i * m + n - 1 for i, n in enumerate(lengths)], model.device)
             return buf.hidden[last], buf.logits[last]
         ids = tokens if fed_back else device_tensor([x for t in tokens for x in t], model.device)
         out = model.mtp_forward(ids, hidden if fed_back else torch.cat(hidden), lengths, caches)
@@ -242,11 +245,13 @@ class MtpSpeculator:
         m = k + 1
         ids = torch.cat([device_tensor(last_tokens, drafts.device)[:, None], drafts], 1)
         hidden, logits, keep = self._verify_forward(caches, ids)
-        raw = torch.log_softmax(logits, dim=-1)
         tokens, accepted = self._accept(logits, ids, qs, params, histories, prompt_lens, generators)
-        token_logprobs = raw.view(b, m, -1).gather(2, tokens[..., None]).squeeze(2)
+        # log p(token) = logit - logsumexp: two small reductions, not a log-softmax written over every row's vocabulary
+        scores = logits.float().view(b, m, -1)
+        token_logprobs = scores.gather(2, tokens[..., None]).squeeze(2) - torch.logsumexp(scores, dim=-1)
         outcome = torch.cat([tokens.double(), accepted[:, None].double(), token_logprobs.double()], 1).tolist()  # one read
         want_top = any(p.logprobs is not None for p in params)
+        raw = torch.log_softmax(logits, dim=-1) if want_top else None
         results = []
         for i, row in enumerate(outcome):
             n = int(row[m]) + 1  # the accepted drafts, then the next token
