@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 14"), as phases that each fit one 10-minute
+# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 15"), as phases that each fit one 10-minute
 # device call:
-#   OUT=... bash benchmarks/experiments.sh second   # the strided-input fix's GPU tests, then the 122B table with
-#                                                   # prefill and the engine loop (~6 min)
+#   OUT=... bash benchmarks/experiments.sh first    # GPU tests of what sessions 14-15 wrote, then the 122B table
+#                                                   # with distinct-id verify rows, prefill and the engine loop (~8 min)
 #   OUT=... bash benchmarks/experiments.sh shapes   # the 35B-A3B and 27B rows (~2 min)
 #   OUT=... bash benchmarks/experiments.sh tests    # the pooled-decode / fast-path / generate-CLI GPU files (~5 min)
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
 #                                                   # experts kernels in 16-token chunks (~2 min)
-#   OUT=... bash benchmarks/experiments.sh ab       # alternating A/B of the GDN b/a dots in the GDN kernel (~8 min)
+#   OUT=... bash benchmarks/experiments.sh ab       # alternating A/B: the shared expert's silu_mul launch kept
+#                                                   # (ROOFLINE_SILU_IN_DOWN=0) against the default (~8 min)
+#   OUT=... bash benchmarks/experiments.sh ab-ba    # alternating A/B of the GDN b/a dots in the GDN kernel (~8 min)
 # Each step has its own time limit and writes under $OUT, so a failure or a timeout loses only itself. Set
 # ROOFLINE_COMMIT to the commit the tree is (the device copy's git metadata may not say). fla-core is installed
 # from .carry/ as synthetic.sh does.
@@ -31,13 +33,13 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  second)  # after session 14's first call (NOTES): the strided GDN / attention inputs on the GPU, then the tables
-    gpu_tests 45 -m gpu tests/test_kernels.py -k "gdn_decode_pool"
-    gpu_tests 25 tests/test_small_ops.py -k "attention_prologue"  # unmarked tests: no -m gpu
-    gpu_tests 60 -m gpu tests/test_pooled_decode.py -k cuda_graph_greedy  # graph tokens = reference, MTP-2 too
-    timeout 200 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
+  first)  # session 15's changes on the GPU, then the tables
+    gpu_tests 60 -m gpu tests/test_kernels.py -k "gated or fp8_matmul_gpu or residual_and_norm"
+    gpu_tests 40 tests/test_small_ops.py -k "activation_in_the_down or router_gemv"  # unmarked tests: no -m gpu
+    gpu_tests 90 -m gpu tests/test_pooled_decode.py -k cuda_graph_greedy  # graph tokens = reference, MTP-2 too
+    timeout 260 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
       --engine-tokens 256 --batch-decode 0 --profile --out "$OUT/$day-synthetic-qwen3.5-122b-a10b.json" 2>&1 \
-      | tee "$OUT/synthetic-122b.log" | grep -v "^| _\|^| void" | tail -60
+      | tee "$OUT/synthetic-122b.log" | grep -v "^| _\|^| void" | tail -70
     ;;
   shapes)  # the 35B-A3B and 27B rows (decode at 0 / 8K / 32K, M rows), ~2 min
     for shape in qwen3.5-35b-a3b qwen3.5-27b; do
@@ -52,14 +54,20 @@ case "${1:-}" in
   kernels)
     timeout 300 python3 benchmarks/kernels.py --quick --only int8,int4_gemm 2>&1 | tail -40
     ;;
-  ab)  # the experiment against the default, alternating so drift shows: B A B A
+  ab)  # the experiment against the default, alternating so drift shows: A B A B
+    for round in a b; do
+      ROOFLINE_SILU_IN_DOWN=0 synthetic "silu-mul-launch-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
+      synthetic "default-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
+    done
+    ;;
+  ab-ba)
     for round in a b; do
       ROOFLINE_GDN_BA_IN_KERNEL=1 synthetic "ba-in-kernel-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
       synthetic "default-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh second|shapes|tests|kernels|ab" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|shapes|tests|kernels|ab|ab-ba" >&2
     exit 2
     ;;
 esac
