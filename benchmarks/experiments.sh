@@ -10,6 +10,8 @@
 #   OUT=... bash benchmarks/experiments.sh ab       # alternating A/B: the shared expert's silu_mul launch kept
 #                                                   # (ROOFLINE_SILU_IN_DOWN=0) against the default (~8 min)
 #   OUT=... bash benchmarks/experiments.sh ab-ba    # alternating A/B of the GDN b/a dots in the GDN kernel (~8 min)
+#   OUT=... bash benchmarks/experiments.sh ab-order # INT4 qweights in GPTQ order (what an engine with MTP keeps)
+#                                                   # against block-repacked, now on distinct-id verify rows (~8 min)
 # Each step has its own time limit and writes under $OUT, so a failure or a timeout loses only itself. Set
 # ROOFLINE_COMMIT to the commit the tree is (the device copy's git metadata may not say). fla-core is installed
 # from .carry/ as synthetic.sh does.
@@ -66,8 +68,14 @@ case "${1:-}" in
       synthetic "default-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
     done
     ;;
+  ab-order)  # the MTP engine keeps GPTQ order because its verify rows measured faster there on one id repeated
+    for round in a b; do
+      ROOFLINE_INT4_QBLK=0 synthetic "gptq-order-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
+      ROOFLINE_INT4_QBLK=1 synthetic "blocked-order-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
+    done
+    ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|shapes|tests|kernels|ab|ab-ba" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|shapes|tests|kernels|ab|ab-ba|ab-order" >&2
     exit 2
     ;;
 esac
