@@ -36,7 +36,7 @@ gpu_tests() {  # time limit, pytest arguments...
 }
 case "${1:-}" in
   first)  # session 15's changes on the GPU, then the tables
-    gpu_tests 60 -m gpu tests/test_kernels.py -k "gated or fp8_matmul_gpu or residual_and_norm"
+    gpu_tests 60 -m gpu tests/test_kernels.py -k "gated or grouped_dense or fp8_matmul_gpu or residual_and_norm"
     gpu_tests 40 tests/test_small_ops.py -k "activation_in_the_down or router_gemv"  # unmarked tests: no -m gpu
     gpu_tests 90 -m gpu tests/test_pooled_decode.py -k cuda_graph_greedy  # graph tokens = reference, MTP-2 too
     timeout 260 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \

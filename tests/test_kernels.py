@@ -426,6 +426,51 @@ def test_gated_down_projection_gpu(m, n, k, fp8):
     check_gated(m, n, k, fp8, torch.bfloat16, GPU)
 
 
+def check_grouped_dense(t, top_k, n, k, dtype, device, config=None):
+    """Routed 16-bit experts read in place: each pair's row equals the plain GEMV (dense_matmul) on its token's row and
+    its expert's weight, bit for bit at the same K split; the down GEMV taking silu * up on load likewise; the MoE
+    experts' forward through them matches the model's loop over experts."""
+    from roofline.kernels.dispatch import _dense_experts
+    from roofline.kernels.fp8_gemv import grouped_dense_matmul
+    from roofline.kernels.small_ops import silu_mul
+    from roofline.model.layers import Experts
+    from roofline.quant import DenseWeight
+
+    torch.manual_seed(t + n + k)
+    e = 6
+    gate_up_w = torch.randn(e, 2 * n, k, device=device).to(dtype)
+    down_w = torch.randn(e, k, n, device=device).to(dtype)
+    x = torch.randn(t, k, device=device).to(dtype)
+    ids = torch.stack([torch.randperm(e, device=device)[:top_k] for _ in range(t)])
+    cfg = {"SPLIT_K": 2, **(config or {})}
+    gu = grouped_dense_matmul(x, gate_up_w, ids, config=cfg)
+    down = grouped_dense_matmul(gu, down_w, ids, gated=True, config=cfg)
+    for p, expert in enumerate(ids.reshape(-1).tolist()):
+        assert torch.equal(gu[p], dense_matmul(x[p // top_k : p // top_k + 1], gate_up_w[expert], config=cfg)[0])
+        assert torch.equal(down[p], dense_matmul(silu_mul(gu[p : p + 1]), down_w[expert], config=cfg)[0])
+    assert_counters_zero()
+
+    experts = Experts(e, k, n)
+    experts.gate_up, experts.down = DenseWeight(2 * n, k, e, dtype=dtype), DenseWeight(k, n, e, dtype=dtype)
+    experts.gate_up.weight, experts.down.weight = gate_up_w, down_w
+    weights = torch.softmax(torch.randn(t, top_k, device=device), -1).to(dtype)
+    want = Experts.forward(experts, x.float(), ids, weights.float())  # fp32: the roundings apart, the same sum
+    assert rel_err(_dense_experts(experts, x, ids, weights), want) < 2e-2
+
+
+@cpu
+@pytest.mark.parametrize("t,top_k,n,k", [(1, 4, 24, 64), (3, 2, 40, 96)])
+def test_grouped_dense_experts_interpreter(t, top_k, n, k):
+    check_grouped_dense(t, top_k, n, k, torch.float16, "cpu")
+
+
+@gpu
+@pytest.mark.parametrize("t", [1, 3])
+def test_grouped_dense_experts_gpu(t):
+    """The MTP head's BF16 experts at the 122B's shapes (I = 1024, H = 3072, top 8)."""
+    check_grouped_dense(t, 8, 1024, 3072, torch.bfloat16, GPU, {"SPLIT_K": 1})
+
+
 def check_dense(m, n, k, dtype, device, tol):
     torch.manual_seed(m + n)
     w = torch.randn(n, k, device=device).to(dtype)

@@ -201,11 +201,15 @@ def _fused_route(moe: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def _dense_experts(module: Experts, x, top_experts, top_weights) -> torch.Tensor:
-    """Routed BF16/FP16 experts without a host sync: gather each token's k experts and batch them."""
+    """Routed dense experts (the MTP head's BF16 ones, as published) without a host sync: gate_up and down each one
+    grouped GEMV that reads the routed experts' rows in place (fp8_gemv.grouped_dense_matmul; the down GEMV takes
+    silu * up on load), then the routing weights' sum over each token's k choices."""
     if x.shape[0] > MAX_EXPERT_TOKENS:
         return Experts.forward(module, x, top_experts, top_weights)
-    gate, up = torch.einsum("nh,nkoh->nko", x, module.gate_up.weight[top_experts]).chunk(2, dim=-1)
-    y = torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, module.down.weight[top_experts])
+    from .fp8_gemv import grouped_dense_matmul
+
+    gate_up = grouped_dense_matmul(x, module.gate_up.weight, top_experts)
+    y = grouped_dense_matmul(gate_up, module.down.weight, top_experts, gated=True).view(*top_experts.shape, -1)
     return (y * top_weights[..., None]).sum(1).to(x.dtype)
 
 
@@ -413,7 +417,7 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
                 installed[kind] += 1
         elif isinstance(module, Experts) and module.gate_up.FORMAT == module.down.FORMAT == "dense":
             module.forward = partial(_dense_experts, module)
-            installed["dense experts (gathered)"] += 1
+            installed["dense experts (grouped GEMV)"] += 1
         elif isinstance(module, Experts):
             result.graph_blockers.append(
                 f"routed experts stored as {module.gate_up.FORMAT}/{module.down.FORMAT} have no sync-free kernel"

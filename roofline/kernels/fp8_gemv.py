@@ -73,9 +73,17 @@ def _fp8_gemv_kernel(
     experts_ptr=None, weights_ptr=None, E=0, TOPK: tl.constexpr = 0, KP: tl.constexpr = 1, BE: tl.constexpr = 1,
     ss_ptr=None, nw_ptr=None, normed_ptr=None, eps=0.0, NT=1, NORM: tl.constexpr = False,
     NORM_OUT: tl.constexpr = False, NTP: tl.constexpr = 1, XS=0, GATED: tl.constexpr = False,
+    ids_ptr=None, X_PER_ROW=1, WS_STRIDE=0, GROUPED: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if GROUPED:  # program axis 2: one (token, choice) pair p, its row of x and its expert's [N, K] weight
+        p = tl.program_id(2)
+        w_ptr += tl.load(ids_ptr + p).to(tl.int64) * N * K
+        x_ptr += (p // X_PER_ROW).to(tl.int64) * XS
+        out_ptr += p.to(tl.int64) * N
+        ws_ptr += p.to(tl.int64) * N
+        cnt_ptr += p * tl.num_programs(0)
     n_offs = pid_n * BN + tl.arange(0, BN)
     n_mask = n_offs < N
     m = tl.arange(0, BM)
@@ -126,9 +134,9 @@ def _fp8_gemv_kernel(
         if TOPK:
             _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM, TOPK, KP, BE)
     else:
-        tl.store(ws_ptr + pid_k * M * N + offs, y, mask=omask)
+        tl.store(ws_ptr + pid_k * WS_STRIDE + offs, y, mask=omask)
         if arrive(cnt_ptr + pid_n, SPLIT_K):
-            total = sum_splits(ws_ptr, M * N, offs, omask, SPLIT_K, SPLITP, 4)
+            total = sum_splits(ws_ptr, WS_STRIDE, offs, omask, SPLIT_K, SPLITP, 4)
             tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=omask)
             reset(cnt_ptr + pid_n)
             if TOPK:
@@ -215,7 +223,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
         scale_inv.shape[-1] if scale_inv is not None else 0,
         SBN=bn_s, SBK=bk_s, BM=max(1, 1 << (m - 1).bit_length()), BN=bn, BK=bk, SPLIT_K=split, SPLITP=next_pow2(split),
         HAS_SCALE=scale_inv is not None, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
-        XS=x2.shape[1], GATED=gated, **routing, **_norm_args(norm, x2), **pdl_options(x.device),
+        XS=x2.shape[1], GATED=gated, WS_STRIDE=m * n, **routing, **_norm_args(norm, x2), **pdl_options(x.device),
     )
     return out.reshape(*lead, n)
 
@@ -254,3 +262,43 @@ def dense_matmul(x: torch.Tensor, weight: torch.Tensor, *, out=None, config: dic
     if weight.stride(-1) != 1 or weight.stride(0) != weight.shape[1]:
         raise ValueError(f"dense_matmul wants a contiguous [N, K] weight, got strides {weight.stride()}")
     return fp8_matmul(x, weight, None, out=out, config=config)
+
+
+def grouped_dense_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, gated: bool = False,
+                         config: dict | None = None) -> torch.Tensor:
+    """Routed dense experts without gathering their weights: y [T*k, N], row p = t*k + j is x[t] @ W[ids[t, j]]^T for
+    x [T, K], a stacked weight [E, N, K] and ids [T, k]; `gated`: x is [T*k, 2K], one [gate | up] row per pair, and
+    row p is silu_mul(x[p]) @ W[ids.flat[p]]^T. One program per (column tile, K split, pair) reads only the routed
+    experts' rows, where indexing the stacked weight by the routing copied each pair's [N, K] weight first (the MTP
+    head's BF16 experts: 151 MB a draft on the 122B)."""
+    e, n, k = weight.shape
+    t, top_k = ids.shape
+    pairs = t * top_k
+    rows = pairs if gated else t
+    if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not weight.is_contiguous():
+        raise ValueError(f"grouped_dense_matmul wants a contiguous bf16/fp16/fp32 [E, N, K] weight, got {weight.dtype} "
+                         f"strides {weight.stride()}")
+    if x.shape != (rows, 2 * k if gated else k):
+        raise ValueError(f"grouped_dense_matmul: x must be [{rows}, {2 * k if gated else k}], got {list(x.shape)}")
+    x = x.contiguous()
+    ids = ids.reshape(-1).contiguous()
+    cfg = default_config(1)
+    cfg.update(config or {})
+    bn, bk = cfg["BN"], cfg["BK"]
+    tiles = triton.cdiv(n, bn)
+    split = cfg.get("SPLIT_K")
+    if not split:
+        target = int(_sm_count(x.device) * cfg.get("programs_per_sm", 4.0))
+        split = max(1, min(triton.cdiv(k, bk), -(-target // (tiles * pairs))))
+    k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
+    split = triton.cdiv(k, k_per_split)
+    out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
+    ws = torch.empty(split if split > 1 else 1, pairs, n, dtype=torch.float32, device=x.device)
+    cnt = counters_for("fp8_gemv grouped", tiles * pairs, x.device)
+    _fp8_gemv_kernel[(tiles, split, pairs)](
+        x, weight, weight, out, ws, cnt, 1, n, k, k_per_split, 0,
+        SBN=128, SBK=128, BM=1, BN=bn, BK=bk, SPLIT_K=split, SPLITP=next_pow2(split), HAS_SCALE=False,
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), XS=x.shape[1], GATED=gated,
+        ids_ptr=ids, X_PER_ROW=1 if gated else top_k, WS_STRIDE=pairs * n, GROUPED=True, **pdl_options(x.device),
+    )
+    return out
