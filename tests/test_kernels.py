@@ -77,6 +77,20 @@ def test_counter_space_gives_second_stream_kernels_their_own_counters():
     assert _common.counters_for("test_user", 8, "cpu").data_ptr() == main.data_ptr()
 
 
+def test_a_grown_counter_buffer_stays_alive():
+    """A kernel whose counters grow with the batch (grouped experts: tiles x pairs) gets a larger buffer; the old one
+    must outlive the swap, since a CUDA graph captured on it (a smaller batch's bucket) keeps its address."""
+    import gc
+    import weakref
+
+    small = _common.counters_for("test_grow", 8, "cpu")
+    old = weakref.ref(small)
+    del small
+    big = _common.counters_for("test_grow", 5000, "cpu")
+    gc.collect()
+    assert big.numel() >= 5000 and old() is not None and old().data_ptr() != big.data_ptr()
+
+
 # ---------------------------------------------------------------- INT4 GEMV
 
 

@@ -30,6 +30,7 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _COUNTERS: dict[tuple[str, str, str], torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # counter buffers replaced by larger ones: a CUDA graph captured on one still uses it
 _SPACES = [""]  # the innermost `counter_space`
 
 
@@ -83,12 +84,15 @@ def new_counters(size: int, device) -> torch.Tensor:
 
 
 def counters_for(user: str, size: int, device: torch.device) -> torch.Tensor:
-    """The default counter buffer of one kernel (`user`) on `device`, grown as needed."""
+    """The default counter buffer of one kernel (`user`) on `device`, grown as needed. A grown-out buffer is kept
+    alive: graphs captured before (a smaller batch's bucket) hold its address, and its memory must not be reused."""
     key = (user, str(device), _SPACES[-1])
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < size:
         if torch.cuda.is_available() and torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{user}: counter buffer too small during CUDA-graph capture; warm up outside capture first")
+        if buf is not None:
+            _OUTGROWN.append(buf)
         buf = new_counters(max(size, 4096), device)
         _COUNTERS[key] = buf
     return buf
