@@ -78,6 +78,7 @@ def _fp8_gemv_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if GROUPED:  # program axis 2: one (token, choice) pair p, its row of x and its expert's [N, K] weight
+        wait_for_inputs(PDL)  # the routing may come from the previous kernel: no weight load before it is read
         p = tl.program_id(2)
         w_ptr += tl.load(ids_ptr + p).to(tl.int64) * N * K
         x_ptr += (p // X_PER_ROW).to(tl.int64) * XS
@@ -97,7 +98,8 @@ def _fp8_gemv_kernel(
     # registers double-buffer the weight tile: the next step's load is in flight during this step's math
     k = k_start + kk
     w_next = tl.load(w_ptr + n_offs[:, None] * K + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
-    wait_for_inputs(PDL)  # the first weight tile is in flight; x comes from the previous kernel
+    if not GROUPED:
+        wait_for_inputs(PDL)  # the first weight tile is in flight; x comes from the previous kernel
     if NORM:
         rstd = _rows_rstd(ss_ptr, m, m_mask, NT, K, eps, NTP)
     for k0 in range(k_start, k_end, BK):
