@@ -99,23 +99,43 @@ def test_top_k_keeps_ties_with_the_kth_score():
     assert probabilities(logits, SamplingParams(top_k=3)).nonzero().flatten().tolist() == [1, 2, 3]
 
 
-def test_top_k_over_candidates_equals_the_sort_of_the_whole_vocabulary():
+def test_top_k_over_candidates_equals_the_sort_of_the_whole_vocabulary(monkeypatch):
     """Where every row has a top_k, the filters order only the top largest_k + TIE_CANDIDATES scores (topk) instead
-    of sorting the vocabulary: the same kept scores, as the sort leaves them, for rows of different top_k / top_p,
-    and with ties at the k-th score (kept, as HF keeps them) within the candidates."""
-    from roofline.engine.sampling import TIE_CANDIDATES, _apply_top_k_top_p
+    of sorting the vocabulary: the same kept scores, as the sort leaves them, for rows of different top_k / top_p /
+    temperature, and with ties at the k-th score (kept, as HF keeps them) within the candidates."""
+    from roofline.engine import sampling
 
     torch.manual_seed(0)
     scores = torch.randn(4, 3000) * 3
     scores[3, 100:110] = scores[3].max() + 1  # ten ties at the top: top_k 5 keeps all ten
-    top_k = torch.tensor([[20], [5], [50], [5]])
-    top_p = torch.tensor([[0.8], [1.0], [0.95], [1.0]])
-    fast = _apply_top_k_top_p(scores, top_k, top_p, 50)
-    assert 50 + TIE_CANDIDATES < scores.shape[-1]  # the candidates path ran
-    assert torch.equal(fast, _apply_top_k_top_p(scores, top_k, top_p, scores.shape[-1]))  # the whole sort
+    params = [SamplingParams(temperature=0.6, top_k=20, top_p=0.8), SamplingParams(top_k=5),
+              SamplingParams(temperature=1.3, top_k=50, top_p=0.95, min_p=0.01), SamplingParams(top_k=5)]
+    kept, ids = sampling._filter(scores, params)
+    assert ids.shape == (4, 50 + sampling.TIE_CANDIDATES) and 50 + sampling.TIE_CANDIDATES < scores.shape[-1]
+    fast = torch.full_like(scores, -math.inf).scatter_(1, ids, kept)  # what the candidates keep, in the vocabulary
+    monkeypatch.setattr(sampling, "TIE_CANDIDATES", scores.shape[-1])  # no candidates: the whole vocabulary sorted
+    whole, no_ids = sampling._filter(scores, params)
+    assert no_ids is None and torch.equal(fast, whole)
     assert torch.isfinite(fast[3]).nonzero().flatten().tolist() == list(range(100, 110))
-    kept = [int(torch.isfinite(row).sum()) for row in fast]
-    assert kept[1] == 5 and 1 <= kept[0] < 20 and 1 <= kept[2] < 50  # top_p cut rows 0 and 2 further
+    count = [int(torch.isfinite(row).sum()) for row in fast]
+    assert count[1] == 5 and 1 <= count[0] < 20 and 1 <= count[2] < 50  # top_p (and min_p) cut rows 0 and 2 further
+
+
+def test_drawing_among_candidates_draws_what_the_whole_vocabulary_draws():
+    """A row with a top_k draws among its candidates (softmax, noise and argmax over C scores), the token the draw over
+    the whole vocabulary gives with the same generator state: each row still draws one exponential per vocabulary
+    token. So a seeded row's token does not depend on whether its batch-mates let the filters take candidates."""
+    from roofline.engine.sampling import _filtered_probs, draw
+
+    logits = torch.randn(2, 3000, generator=torch.Generator().manual_seed(5)) * 2
+    params = [SamplingParams(temperature=0.6, top_k=20, top_p=0.95), SamplingParams(temperature=1.0, top_k=40, min_p=0.05)]
+    for seed in range(20):
+        among = sample(logits, params, [make_generator(seed), make_generator(seed + 100)]).token_ids
+        whole = draw(_filtered_probs(logits, params), [make_generator(seed), make_generator(seed + 100)])
+        assert torch.equal(among, whole)
+    probs = _filtered_probs(logits, params)  # the full distribution (speculative acceptance) keeps at most top_k each
+    kept = [int((row > 0).sum()) for row in probs]
+    assert 1 <= kept[0] <= 20 and 1 <= kept[1] <= 40 and torch.allclose(probs.sum(-1), torch.ones(2))
 
 
 def test_temperature_scales_before_the_filters():

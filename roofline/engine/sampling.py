@@ -174,15 +174,15 @@ class Sampler:
         scores = _apply_penalties(logits32, params_list, token_histories, prompt_lens)
         sampled_rows = [i for i, p in enumerate(params_list) if not p.greedy]
         if len(sampled_rows) == len(params_list):  # every row samples (one chat stream): no argmax, no row gather
-            token_ids = draw(_filtered_probs(scores, params_list), generators)
+            token_ids = _draw_filtered(scores, params_list, generators)
         else:
             # Greedy rows: the argmax itself (lowest index on ties, as `probabilities`' one-hot), with no [B, V]
             # one-hot or log-softmax written: this runs once per decoded token.
             token_ids = scores.argmax(dim=-1)
             if sampled_rows:
                 rows = device_tensor(sampled_rows, scores.device)
-                probs = _filtered_probs(scores[rows], [params_list[i] for i in sampled_rows])
-                token_ids[rows] = draw(probs, [generators[i] for i in sampled_rows])
+                token_ids[rows] = _draw_filtered(scores[rows], [params_list[i] for i in sampled_rows],
+                                                 [generators[i] for i in sampled_rows])
 
         log_z = torch.logsumexp(logits32, dim=-1, keepdim=True)
         logprobs = (logits32.gather(1, token_ids[:, None]) - log_z).squeeze(1)
@@ -209,62 +209,87 @@ def _apply_penalties(logits, params_list, token_histories, prompt_lens) -> torch
     return scores
 
 
-def _filtered_probs(scores, params_list) -> torch.Tensor:
-    device, vocab = scores.device, scores.shape[-1]
-
-    def per_row(values, dtype=torch.float32) -> torch.Tensor:
-        return device_tensor(values, device, dtype)[:, None]
-
-    scores = scores / per_row([p.temperature for p in params_list])
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params_list]
-    top_p = [p.top_p for p in params_list]
-    if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
-        scores = _apply_top_k_top_p(scores, per_row(top_k, torch.long), per_row(top_p), max(top_k))
-    min_p = [p.min_p for p in params_list]
-    if any(m > 0 for m in min_p):
-        # p_i < min_p * p_max  <=>  s_i < s_max + log(min_p): no softmax needed.
-        log_min_p = per_row([math.log(m) if m > 0 else -math.inf for m in min_p])
-        threshold = scores.max(dim=-1, keepdim=True).values + log_min_p
-        scores = scores.masked_fill(scores < threshold, -math.inf)
-    return torch.softmax(scores, dim=-1)
-
-
-def draw(probs, generators) -> torch.Tensor:
-    """One index per row of `probs` [B, V], drawn with generators[i] (None: torch's global one), on the device."""
-    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i,
-    # one batched argmax instead of a multinomial per row. The clamp keeps 0/0 out.
-    noise = torch.empty_like(probs)
-    for row, generator in enumerate(generators):
-        noise[row].exponential_(generator=generator)
-    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
-
-
 # Candidates taken past the rows' largest top_k: scores tied with a row's k-th beyond them are dropped (HF keeps every
 # tie), which takes more than this many equal scores at the boundary.
 TIE_CANDIDATES = 64
 
 
-def _apply_top_k_top_p(scores, top_k, top_p, largest_k: int) -> torch.Tensor:
-    """Mask all but the top_k scores (ties with the k-th kept, as HF), then all but the
-    smallest set of the rest whose probability reaches top_p. top_k [B,1] long, top_p [B,1]; `largest_k` the largest
-    of them (the vocabulary size where a row has none). Where every row has a top_k (Qwen3.5 recommends 20) only the
-    top largest_k + TIE_CANDIDATES scores are ordered (topk), not the whole vocabulary: a sort of 248K scores a token
-    is likely most of what a sampled 122B step costs over a greedy one (0.34 ms on the H200, not yet split)."""
-    vocab = scores.shape[-1]
-    if largest_k + TIE_CANDIDATES < vocab:
-        values, order = scores.topk(largest_k + TIE_CANDIDATES, dim=-1)  # descending; the rest is masked below anyway
-        sorted_scores, order = values.flip(-1), order.flip(-1)
-        out = torch.full_like(scores, -math.inf)
+def _filter(scores, params_list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Temperature, then top_k / top_p, then min_p: (scores, ids), -inf where a token is dropped. Where every row has
+    a top_k (Qwen3.5 recommends 20), only the top largest_k + TIE_CANDIDATES scores are ordered (topk, on the raw
+    scores: a positive temperature keeps their order) and what follows reads those C scores a row: (scores [B, C],
+    their token ids); a sort of 248K scores a token was most of what a sampled 122B step cost over a greedy one.
+    Else over the vocabulary: (scores [B, V], None)."""
+    device, vocab = scores.device, scores.shape[-1]
+
+    def per_row(values, dtype=torch.float32) -> torch.Tensor:
+        return device_tensor(values, device, dtype)[:, None]
+
+    temperature = per_row([p.temperature for p in params_list])
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params_list]
+    top_p = [p.top_p for p in params_list]
+    ids = None
+    if max(top_k) + TIE_CANDIDATES < vocab:
+        values, ids = scores.topk(max(top_k) + TIE_CANDIDATES, dim=-1)  # descending; the rest is masked below anyway
+        ids = ids.flip(-1)
+        scores = _top_k_top_p(values.flip(-1) / temperature, per_row(top_k, torch.long), per_row(top_p))
     else:
-        sorted_scores, order = scores.sort(dim=-1)  # ascending
-        out = torch.empty_like(scores)
-    kth_largest = sorted_scores.gather(1, sorted_scores.shape[-1] - top_k)
-    sorted_scores = sorted_scores.masked_fill(sorted_scores < kth_largest, -math.inf)
-    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        scores = scores / temperature
+        if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
+            ordered, order = scores.sort(dim=-1)  # ascending
+            kept = _top_k_top_p(ordered, per_row(top_k, torch.long), per_row(top_p))
+            scores = torch.empty_like(scores).scatter_(1, order, kept)
+    min_p = [p.min_p for p in params_list]
+    if any(m > 0 for m in min_p):
+        # p_i < min_p * p_max  <=>  s_i < s_max + log(min_p): no softmax needed (the max is always a candidate).
+        log_min_p = per_row([math.log(m) if m > 0 else -math.inf for m in min_p])
+        threshold = scores.max(dim=-1, keepdim=True).values + log_min_p
+        scores = scores.masked_fill(scores < threshold, -math.inf)
+    return scores, ids
+
+
+def _filtered_probs(scores, params_list) -> torch.Tensor:
+    """The filtered distribution over the whole vocabulary [B, V] (`probabilities`: speculative acceptance reads it)."""
+    kept, ids = _filter(scores, params_list)
+    probs = torch.softmax(kept, dim=-1)
+    return probs if ids is None else torch.zeros_like(scores).scatter_(1, ids, probs)
+
+
+def _draw_filtered(scores, params_list, generators) -> torch.Tensor:
+    """One token per row from the filtered distribution. Over the candidates where the filters took them: the
+    softmax, the division by the noise and the argmax then read C scores a row, not the vocabulary."""
+    kept, ids = _filter(scores, params_list)
+    probs = torch.softmax(kept, dim=-1)
+    if ids is None:
+        return draw(probs, generators)
+    return ids.gather(1, draw(probs, generators, ids, scores.shape[-1])[:, None]).squeeze(1)
+
+
+def draw(probs, generators, ids=None, vocab: int | None = None) -> torch.Tensor:
+    """One index per row of `probs` [B, V], drawn with generators[i] (None: torch's global one), on the device.
+    With `ids` [B, C]: probs are over those token ids of a `vocab`-token vocabulary and the index is into C; each row
+    still draws one exponential per vocabulary token, so a seeded row draws the same token whether its batch was
+    filtered over candidates or over the vocabulary."""
+    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i,
+    # one batched argmax instead of a multinomial per row. The clamp keeps 0/0 out.
+    noise = torch.empty(probs.shape[0], probs.shape[1] if ids is None else vocab, dtype=probs.dtype, device=probs.device)
+    for row, generator in enumerate(generators):
+        noise[row].exponential_(generator=generator)
+    if ids is not None:
+        noise = noise.gather(1, ids)
+    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+def _top_k_top_p(ordered, top_k, top_p) -> torch.Tensor:
+    """On scores in ascending order (a row's candidates or its whole vocabulary): mask all but the top_k (ties with
+    the k-th kept, as HF), then all but the smallest set of the rest whose probability reaches top_p. top_k [B, 1]
+    long, top_p [B, 1]."""
+    kth_largest = ordered.gather(1, ordered.shape[-1] - top_k)
+    ordered = ordered.masked_fill(ordered < kth_largest, -math.inf)
+    cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
     outside_top_p = cumulative <= 1 - top_p
     outside_top_p[:, -1] = False  # always keep the most likely token
-    sorted_scores = sorted_scores.masked_fill(outside_top_p, -math.inf)
-    return out.scatter_(1, order, sorted_scores)
+    return ordered.masked_fill(outside_top_p, -math.inf)
 
 
 def top_logprob_tensors(logits, log_z, params_list) -> TopLogprobs:
