@@ -180,6 +180,18 @@ def default_config(m: int) -> dict:
     return {"BN": 8, "BK": 128, "num_warps": 1, "programs_per_sm": 16.0}
 
 
+def _k_split(k: int, bk: int, programs: int, cfg: dict, device) -> tuple[int, int]:
+    """(K splits, K per split, a multiple of bk): the config's SPLIT_K, else enough splits of the `programs` (column
+    tiles, times the pairs of a grouped call) for its programs_per_sm."""
+    k_steps = triton.cdiv(k, bk)
+    split = cfg.get("SPLIT_K")
+    if not split:
+        target = int(_sm_count(device) * cfg.get("programs_per_sm", 4.0))
+        split = max(1, min(k_steps, -(-target // programs)))
+    k_per_split = triton.cdiv(k_steps, split) * bk
+    return triton.cdiv(k, k_per_split), k_per_split
+
+
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, block=(128, 128), *, out=None,
                config: dict | None = None, counters: torch.Tensor | None = None, route: tuple | None = None,
                norm: NormOnLoad | None = None, gated: bool = False) -> torch.Tensor:
@@ -204,13 +216,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
         raise ValueError(f"tile ({bn}, {bk}): BN must divide the scale block's {bn_s} rows, BK be a multiple of 16 "
                          f"that divides or is a multiple of its {bk_s} columns")
     tiles = triton.cdiv(n, bn)
-    k_steps = triton.cdiv(k, bk)
-    split = cfg.get("SPLIT_K")
-    if not split:
-        target = int(_sm_count(x.device) * cfg.get("programs_per_sm", 4.0))
-        split = max(1, min(k_steps, -(-target // tiles)))
-    k_per_split = triton.cdiv(k_steps, split) * bk
-    split = triton.cdiv(k, k_per_split)
+    split, k_per_split = _k_split(k, bk, tiles, cfg, x.device)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ws = torch.empty(split if split > 1 else 1, m, n, dtype=torch.float32, device=x.device)
@@ -288,12 +294,7 @@ def grouped_dense_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
     cfg.update(config or {})
     bn, bk = cfg["BN"], cfg["BK"]
     tiles = triton.cdiv(n, bn)
-    split = cfg.get("SPLIT_K")
-    if not split:
-        target = int(_sm_count(x.device) * cfg.get("programs_per_sm", 4.0))
-        split = max(1, min(triton.cdiv(k, bk), -(-target // (tiles * pairs))))
-    k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
-    split = triton.cdiv(k, k_per_split)
+    split, k_per_split = _k_split(k, bk, tiles * pairs, cfg, x.device)
     out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
     ws = torch.empty(split if split > 1 else 1, pairs, n, dtype=torch.float32, device=x.device)
     cnt = counters_for("fp8_gemv grouped", tiles * pairs, x.device)
