@@ -308,9 +308,13 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
         elif isinstance(module, DecoderLayer):
             module.forward = partial(layer_forward, module)
             installed["fused decoder layer"] += 1
+    silu_apart = 0
     for module in model.modules():  # after the MoE blocks' own forwards, which norm_in_gemvs checks
-        if isinstance(module, MLP) and silu_in_down(module) is not None:
-            installed["mlp activation in the down GEMV's prologue"] += 1
+        if isinstance(module, MLP):
+            if silu_in_down(module) is not None:
+                installed["mlp activation in the down GEMV's prologue"] += 1
+            else:
+                silu_apart += 1
         if isinstance(module, DecoderLayer):
             module.norm_in_gemvs = norm_in_gemvs(module, model.dtype)
             if module.norm_in_gemvs:
@@ -318,6 +322,13 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
     if apart:
         log.info("%d MoE routers run their GEMV and a separate top-k kernel: the router weight is neither dense "
                  "16-bit nor block FP8 with a decode kernel", apart)
+    if silu_apart:
+        from .blocks import SILU_IN_DOWN
+
+        why = "ROOFLINE_SILU_IN_DOWN=0" if not SILU_IN_DOWN else (
+            "their down projection has no fp8_gemv decode kernel (INT4, or a dense weight the small-dense kernel does "
+            "not take: not 16-bit or too many rows); only that kernel takes the activation on load")
+        log.info("%d MLPs keep their silu * up launch: %s", silu_apart, why)
 
 
 # INT4 qweights block-repacked at load for the tensor-core kernels (quant.int4.block_qweight): each warp-step 2 KB
