@@ -291,6 +291,8 @@ def grouped_dense_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
     x = x.contiguous()
     ids = ids.reshape(-1).contiguous()
     cfg = default_config(1)
+    if INTERPRET:  # the interpreter runs programs one after another: one wide tile a pair, not the GPU's many small ones
+        cfg.update(BN=min(256, next_pow2(n)), BK=min(256, max(16, next_pow2(k))), SPLIT_K=1)
     cfg.update(config or {})
     bn, bk = cfg["BN"], cfg["BK"]
     tiles = triton.cdiv(n, bn)
