@@ -451,11 +451,12 @@ def check_grouped_dense(t, top_k, n, k, dtype, device, config=None):
     from roofline.quant import DenseWeight
 
     torch.manual_seed(t + n + k)
-    e = 6
+    e = 2 * top_k + 2  # more experts than choices: each row routes to top_k distinct ones
     gate_up_w = torch.randn(e, 2 * n, k, device=device).to(dtype)
     down_w = torch.randn(e, k, n, device=device).to(dtype)
     x = torch.randn(t, k, device=device).to(dtype)
     ids = torch.stack([torch.randperm(e, device=device)[:top_k] for _ in range(t)])
+    assert ids.shape == (t, top_k)
     cfg = {"SPLIT_K": 2, **(config or {})}
     gu = grouped_dense_matmul(x, gate_up_w, ids, config=cfg)
     down = grouped_dense_matmul(gu, down_w, ids, gated=True, config=cfg)
