@@ -501,15 +501,17 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     at_zero = next(((r["step_ms"], r["replay_ms"]) for r in rows if r["context"] == 0), None) or decode_ms(run, 1, repeats)
     # M rows twice: distinct ids (a real verify step's bytes: the target's figure) and one id repeated (M = 1's bytes)
     verify = {1: at_zero[0]}
-    repeated = {1: at_zero[0]}
+    repeated = {}
     for m in verify_tokens:
         verify[m] = decode_ms(run, m, repeats, distinct=True)[0]
         repeated[m] = decode_ms(run, m, repeats)[0]
-    result["tokens_per_sequence"] = [
-        {"m": m, "token_ids": ids, "step_ms": ms, "vs_m1": ms / verify[1],
-         **_step_bytes(run, tb, m, ms, copy_bw, distinct=ids == "distinct")}
-        for m in sorted(verify) for ids, ms in ((("one", verify[m]),) if m == 1 else
-                                                (("distinct", verify[m]), ("repeated", repeated[m])))]
+
+    def m_row(m: int, ids: str, ms: float) -> dict:
+        return {"m": m, "token_ids": ids, "step_ms": ms, "vs_m1": ms / verify[1],
+                **_step_bytes(run, tb, m, ms, copy_bw, distinct=ids == "distinct")}
+
+    result["tokens_per_sequence"] = [m_row(1, "one", verify[1])] + [
+        row for m in sorted(repeated) for row in (m_row(m, "distinct", verify[m]), m_row(m, "repeated", repeated[m]))]
     progress("step time by tokens per sequence, distinct ids (one id repeated): " + ", ".join(
         f"M={m} {ms:.3f} ms" + (f" ({repeated[m]:.3f})" if m > 1 else "") for m, ms in sorted(verify.items())))
 
