@@ -7,11 +7,16 @@
 #   OUT=... bash benchmarks/experiments.sh tests    # the pooled-decode / fast-path / generate-CLI GPU files (~5 min)
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
 #                                                   # experts kernels in 16-token chunks (~2 min)
+#   OUT=... bash benchmarks/experiments.sh attn     # decode attention's tile sweep at 8K / 32K (~2 min)
 #   OUT=... bash benchmarks/experiments.sh ab       # alternating A/B: the shared expert's silu_mul launch kept
 #                                                   # (ROOFLINE_SILU_IN_DOWN=0) against the default (~8 min)
 #   OUT=... bash benchmarks/experiments.sh ab-ba    # alternating A/B of the GDN b/a dots in the GDN kernel (~8 min)
 #   OUT=... bash benchmarks/experiments.sh ab-order # INT4 qweights in GPTQ order (what an engine with MTP keeps)
 #                                                   # against block-repacked, now on distinct-id verify rows (~8 min)
+#   OUT=... bash benchmarks/experiments.sh ab-depth # session 16: the one-buffer loop for wide GEMVs of 2-4 rows
+#                                                   # against one row only (ROOFLINE_INT4_DEPTH=one-row): M rows (~8 min)
+#   OUT=... bash benchmarks/experiments.sh ab-fp8   # session 16: the shared expert's FP8 GEMVs on 4 x 512 tiles
+#                                                   # against 8 x 128 (ROOFLINE_FP8_WIDE_TILES=0) (~8 min)
 # Each step has its own time limit and writes under $OUT, so a failure or a timeout loses only itself. Set
 # ROOFLINE_COMMIT to the commit the tree is (the device copy's git metadata may not say). fla-core is installed
 # from .carry/ as synthetic.sh does.
@@ -36,7 +41,7 @@ gpu_tests() {  # time limit, pytest arguments...
 }
 case "${1:-}" in
   first)  # session 15's changes on the GPU, then the tables
-    gpu_tests 60 -m gpu tests/test_kernels.py -k "gated or grouped_dense or fp8_matmul_gpu or residual_and_norm"
+    gpu_tests 60 -m gpu tests/test_kernels.py -k "gated or grouped_dense or fp8_matmul_gpu or residual_and_norm or one_buffer"
     gpu_tests 40 tests/test_small_ops.py -k "activation_in_the_down or router_gemv"  # unmarked tests: no -m gpu
     gpu_tests 30 tests/test_sampling.py  # the candidates path on CUDA, and no host sync in it
     gpu_tests 90 -m gpu tests/test_pooled_decode.py -k cuda_graph_greedy  # graph tokens = reference, MTP-2 too
@@ -57,6 +62,9 @@ case "${1:-}" in
   kernels)
     timeout 300 python3 benchmarks/kernels.py --quick --only int8,int4_gemm 2>&1 | tail -40
     ;;
+  attn)  # decode attention's tiles at 8K / 32K, M = 1 and 4 (the 32K row is ~0.45 of copy in the step), ~2 min
+    timeout 300 python3 benchmarks/kernels.py --only attn 2>&1 | tail -40
+    ;;
   ab)  # the experiment against the default, alternating so drift shows: A B A B
     for round in a b; do
       ROOFLINE_SILU_IN_DOWN=0 synthetic "silu-mul-launch-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
@@ -75,8 +83,20 @@ case "${1:-}" in
       ROOFLINE_INT4_QBLK=1 synthetic "blocked-order-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
     done
     ;;
+  ab-depth)  # prediction: M = 2-4 steps -0.05 to -0.15 ms (in_proj_qkv+z / attention q/k/v ~-3 us each at 4 rows), M = 1 unchanged
+    for round in a b; do
+      ROOFLINE_INT4_DEPTH=one-row synthetic "depth-one-row-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
+      synthetic "default-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
+    done
+    ;;
+  ab-fp8)  # prediction: graph 0 to -0.07 ms (the shared gate_up -1.4 us a layer, on the second stream)
+    for round in a b; do
+      ROOFLINE_FP8_WIDE_TILES=0 synthetic "fp8-8x128-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
+      synthetic "default-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
+    done
+    ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|shapes|tests|kernels|ab|ab-ba|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|shapes|tests|kernels|attn|ab|ab-ba|ab-order|ab-depth|ab-fp8" >&2
     exit 2
     ;;
 esac

@@ -437,12 +437,16 @@ def bench_attention(b: Bench, quick: bool):
                 return Rotor(lambda k, v: decode_attention(q, k, v, lens, max_len=ctx, config=cfg), caches)
 
             if b.sweep:
+                # around the default (BT32, 3 stages, 4 warps, one program per SM: 32K at ~0.45 of copy in the step,
+                # NOTES-kernels session 16): more warps, deeper or wider tiles, two programs per SM
                 b.try_configs("decode_attention", shape, nbytes, make, [
-                    ("BT32 st3 pps0.5", {"BT": 32, "num_stages": 3, "programs_per_sm": 0.5}),
-                    ("BT32 st3 pps0.25", {"BT": 32, "num_stages": 3, "programs_per_sm": 0.25}),
-                    ("BT32 st3 pps1", {"BT": 32, "num_stages": 3, "programs_per_sm": 1}),
-                    ("BT64 st2 pps0.5", {"BT": 64, "num_stages": 2, "programs_per_sm": 0.5}),
-                    ("BT32 st4 pps0.5", {"BT": 32, "num_stages": 4, "programs_per_sm": 0.5}),
+                    ("BT32 st3 w8 pps1", {"BT": 32, "num_stages": 3, "num_warps": 8, "programs_per_sm": 1}),
+                    ("BT64 st3 w8 pps1", {"BT": 64, "num_stages": 3, "num_warps": 8, "programs_per_sm": 1}),
+                    ("BT64 st2 w4 pps1", {"BT": 64, "num_stages": 2, "programs_per_sm": 1}),
+                    ("BT32 st4 w4 pps1", {"BT": 32, "num_stages": 4, "programs_per_sm": 1}),
+                    ("BT16 st4 w4 pps2", {"BT": 16, "num_stages": 4, "programs_per_sm": 2}),
+                    ("BT32 st2 w4 pps2", {"BT": 32, "num_stages": 2, "programs_per_sm": 2}),
+                    ("BT32 st3 w4 pps0.5", {"BT": 32, "num_stages": 3, "programs_per_sm": 0.5}),
                 ])
             t = median_us(make(None))
             qt = q.transpose(1, 2)  # [1, Hq, M, D]

@@ -321,6 +321,21 @@ def test_experts_gpu(t, tc):
     check_experts(t, 256, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": tc})
 
 
+def test_wide_gemvs_of_several_rows_take_the_one_buffer_loop(monkeypatch):
+    """On the GPU every one-row call and the GEMVs of 2..4 rows over wide weights (the 122B verify step's merged
+    in_proj_qkv+z and attention q/k/v) take the one-buffer loop at 6 programs per SM; out_proj-sized GEMVs and the
+    experts kernels at several tokens keep the two-buffer loop, which the run-11b sweep had faster there."""
+    from roofline.kernels import int4_tc
+
+    monkeypatch.setattr(int4_tc, "INTERPRET", False)
+    for m, n in [(1, 3072), (3, 20480), (4, 17408), (2, 12288)]:
+        assert int4_tc.default_tc_config(m, n, 3072) == {"WN": 4, "KW": 1, "programs_per_sm": 6.0, "depth": 1}, (m, n)
+    assert "depth" not in int4_tc.default_tc_config(3, 3072, 8192)  # out_proj
+    assert int4_tc.one_buffer_loop(1) and not int4_tc.one_buffer_loop(3)  # the experts pass no width
+    monkeypatch.setattr(int4_tc, "WIDE_TILES", None)  # ROOFLINE_INT4_DEPTH=one-row
+    assert "depth" not in int4_tc.default_tc_config(3, 20480, 3072) and int4_tc.one_buffer_loop(1)
+
+
 @gpu
 @pytest.mark.parametrize("t", [1, 3])
 def test_one_buffer_loop_gpu(t):
@@ -383,6 +398,7 @@ def check_fp8(m, n, k, block, dtype, device, config=None, tol=1e-2):
     (4, 50, 130, (32, 32), {"SPLIT_K": 3}),
     (2, 24, 256, (128, 128), None),
     (3, 40, 200, (16, 32), {"BK": 64, "SPLIT_K": 2}),  # a tile spanning two scale blocks along K
+    (2, 16, 1100, (128, 128), {"BN": 4, "BK": 512, "SPLIT_K": 2}),  # the small-FP8 default's tile, K not a multiple
 ])
 def test_fp8_matmul_interpreter(m, n, k, block, config):
     check_fp8(m, n, k, block, torch.float32 if m % 2 else torch.float16, "cpu", config, tol=2e-3)
@@ -393,6 +409,20 @@ def test_fp8_matmul_interpreter(m, n, k, block, config):
 @pytest.mark.parametrize("n,k", [(2048, 3072), (3072, 1024), (1000, 3000)])
 def test_fp8_matmul_gpu(m, n, k):
     check_fp8(m, n, k, (128, 128), torch.bfloat16, GPU)
+
+
+def test_small_fp8_weights_take_the_wide_tiles(monkeypatch):
+    """On the GPU a block-FP8 weight of the shared experts' size takes the 4 x 512 tiles of the session-14 sweep; a
+    dense weight (the router) and a large FP8 one keep the 8 x 128 tiles the sweep did not compare them on."""
+    from roofline.kernels import fp8_gemv
+
+    monkeypatch.setattr(fp8_gemv, "INTERPRET", False)
+    assert fp8_gemv.default_config(1, 2048 * 3072)["BK"] == 512  # the 122B shared gate_up
+    assert fp8_gemv.default_config(4, 3072 * 1024)["BN"] == 4  # its down, at a verify step's rows
+    assert fp8_gemv.default_config(1, 0)["BK"] == 128  # dense
+    assert fp8_gemv.default_config(1, 20480 * 3072)["BK"] == 128  # an FP8 checkpoint's in_proj_qkv+z
+    monkeypatch.setattr(fp8_gemv, "FP8_WIDE_TILES", False)
+    assert fp8_gemv.default_config(1, 2048 * 3072)["BK"] == 128
 
 
 @gpu
@@ -425,6 +455,7 @@ def check_gated(m, n, k, fp8, dtype, device, config=None):
     (1, 40, 200, True, None),  # K split, K not a multiple of the tile
     (3, 24, 256, False, {"SPLIT_K": 1}),
     (4, 33, 384, True, {"SPLIT_K": 2}),
+    (2, 12, 640, True, {"BN": 4, "BK": 512}),  # the small-FP8 default's tile: 512 activations a step
 ])
 def test_gated_down_projection_interpreter(m, n, k, fp8, config):
     check_gated(m, n, k, fp8, torch.float16, "cpu", config)

@@ -465,10 +465,12 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
     if FUSED_SMALL_OPS:
         _install_blocks(model, installed)
     if installed["int4"] or installed["int4 experts"]:
-        from .int4_tc import INT4_DEPTH
+        from .int4_tc import INT4_DEPTH, WIDE_TILES
 
         if INT4_DEPTH == 2:
             installed["int4 tc two-buffer loop at one row too (ROOFLINE_INT4_DEPTH=2)"] += 1
+        elif WIDE_TILES is None:
+            installed["int4 tc two-buffer loop for wide GEMVs of several rows (ROOFLINE_INT4_DEPTH=one-row)"] += 1
     if installed["int4"] or installed["int4 experts"]:
         gemm = int4_gemm_wanted()
         use_int4_gemm(model, gemm)
@@ -478,6 +480,11 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
             log.info("INT4 calls past the decode kernels' rows dequantise the weight first, the routed experts one at a "
                      "time, and decode steps past %d rows run outside CUDA graphs (ROOFLINE_INT4_GEMM=dequant; the "
                      "default, triton, is the grouped INT4 GEMM kernel)", MAX_EXPERT_TOKENS)
+    if installed["fp8"]:
+        from .fp8_gemv import FP8_WIDE_TILES
+
+        if not FP8_WIDE_TILES:
+            installed["fp8 gemv on 8 x 128 tiles for small weights too (ROOFLINE_FP8_WIDE_TILES=0)"] += 1
     if installed["int8 lm_head"]:
         from .int8_lm_head import DOT_ROWS
 

@@ -32,6 +32,7 @@ its slice: a few hundred exps a row, against the launch and the PDL hand-off it 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -171,12 +172,24 @@ def _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM: tl.cons
         reset(cnt_ptr + tiles)
 
 
-def default_config(m: int) -> dict:
+# Block-FP8 weights of up to SMALL_FP8 elements (the shared experts) on 4-row x 512 tiles, ~8 programs per SM. H200
+# sweep, session 14 (`2026-12-05-kernels-h200-session14-fp8.json`), the 8 x 128 default against these tiles: shared
+# gate_up 2048 x 3072 7.08 -> 5.67 us at M = 1 and 7.71 -> 7.28 at M = 4, down 3072 x 1024 4.14 -> 4.11 and 5.82 ->
+# 5.14: the one tile of the sweep no slower at any of the four (8 x 256 was 5.62 at gate_up M = 1 but slower at M = 4).
+# Not yet timed end to end (the shared expert runs on the second stream, beside the router and the routed experts).
+# ROOFLINE_FP8_WIDE_TILES=0 keeps the 8 x 128 tiles.
+FP8_WIDE_TILES = os.environ.get("ROOFLINE_FP8_WIDE_TILES", "1") != "0"
+SMALL_FP8 = 8 << 20
+
+
+def default_config(m: int, fp8_elements: int = 0) -> dict:
     """Measured on the H200 (benchmarks/NOTES-kernels.md, run 5): 8-row x 128 tiles on one warp, ~16 programs per
-    SM, at 1 and 4 rows (shared gate_up 6.7 / 8.6 us against 9.4 / 11.0 on 2 warps at 4 per SM); wider tiles along
-    K (256, 512) were no faster."""
+    SM, at 1 and 4 rows (shared gate_up 6.7 / 8.6 us against 9.4 / 11.0 on 2 warps at 4 per SM). `fp8_elements`:
+    the size of a block-FP8 weight (0: a dense one), which up to SMALL_FP8 takes `FP8_WIDE_TILES`."""
     if INTERPRET:
         return {"BN": 16, "BK": 32, "num_warps": 1}
+    if FP8_WIDE_TILES and 0 < fp8_elements <= SMALL_FP8:
+        return {"BN": 4, "BK": 512, "num_warps": 1, "programs_per_sm": 8.0}
     return {"BN": 8, "BK": 128, "num_warps": 1, "programs_per_sm": 16.0}
 
 
@@ -208,7 +221,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
     else:
         x2, lead = decode_rows(x, k, "fp8_matmul")
     m = x2.shape[0]
-    cfg = default_config(m)
+    cfg = default_config(m, n * k if scale_inv is not None else 0)
     cfg.update(config or {})
     bn_s, bk_s = block
     bn, bk = min(cfg["BN"], bn_s), cfg["BK"]

@@ -496,29 +496,38 @@ def tc_supported(x: torch.Tensor, n: int, k: int, group_size: int, wn: int = 1, 
 
 
 # One-row calls (decode without MTP, and the MTP draft steps) take tc_groups' one-buffer loop (DEPTH=1), the GEMV at 6
-# programs per SM; more rows keep the two-buffer loop (DEPTH=2). H200, 122B, context 0, alternating A/B (session 10,
-# NOTES-kernels run 12): graph 3.278 / 3.282 ms against 3.344 / 3.349 with DEPTH=2 everywhere (-2%); the kernel sweep
-# of run 11b had it faster at one row (in_proj_qkv 8.60 against 8.97 us, out_proj 7.99 / 8.13, experts gate_up
-# 14.43 / 15.58, down 8.33 / 9.42) and slower or equal at four (out_proj 11.95 / 10.85, gate_up 31.5 / 29.2).
-# Measured in the block-repacked order only. ROOFLINE_INT4_DEPTH=2 keeps the two-buffer loop at every row count.
+# programs per SM. H200, 122B, context 0, alternating A/B (session 10, NOTES-kernels run 12): graph 3.278 / 3.282 ms
+# against 3.344 / 3.349 with DEPTH=2 everywhere (-2%); the kernel sweep of run 11b had it faster at one row
+# (in_proj_qkv 8.60 against 8.97 us, out_proj 7.99 / 8.13, experts gate_up 14.43 / 15.58, down 8.33 / 9.42).
+# At four rows the same sweep split by width: the wide in_proj_qkv (96 column tiles) 10.36 us one-buffer at 6 per SM
+# against 13.92 two-buffer (and 13.76 at the two per SM the M > 1 default takes), but out_proj (24 tiles) 11.95
+# against 10.85 and the experts' gate_up 31.5 against 29.2. So GEMVs of 2..4 rows over weights of at least
+# WIDE_TILES column tiles (the merged in_proj_qkv+z, 160; attention's q/k/v, 136: the verify step's widest GEMVs) take
+# the one-buffer loop too (session 16; measured at four rows, block-repacked only). ROOFLINE_INT4_DEPTH=2 keeps the
+# two-buffer loop at every row count; =one-row takes the one-buffer loop at one row only (session 15's rule).
 _DEPTH_ENV = os.environ.get("ROOFLINE_INT4_DEPTH", "1")
-if _DEPTH_ENV not in ("1", "2"):
-    raise ValueError(f"ROOFLINE_INT4_DEPTH must be 1 or 2, got {_DEPTH_ENV!r}")
-INT4_DEPTH = int(_DEPTH_ENV)
+if _DEPTH_ENV not in ("1", "2", "one-row"):
+    raise ValueError(f"ROOFLINE_INT4_DEPTH must be 1, 2 or one-row, got {_DEPTH_ENV!r}")
+INT4_DEPTH = 2 if _DEPTH_ENV == "2" else 1
+WIDE_TILES = 96 if _DEPTH_ENV == "1" else None  # 128-column tiles from which several rows take the one-buffer loop
 
 
-def one_buffer_loop(rows: int) -> bool:
-    """Whether a call on `rows` token rows takes the one-buffer loop (`INT4_DEPTH`)."""
-    return INT4_DEPTH == 1 and rows == 1
+def one_buffer_loop(rows: int, n: int = 0) -> bool:
+    """Whether a call on `rows` token rows of a weight with `n` output columns takes the one-buffer loop
+    (`INT4_DEPTH`): every one-row call, and GEMVs of more rows over wide weights (`WIDE_TILES`). The experts
+    kernels pass no width: several tokens keep the two-buffer loop there."""
+    if INT4_DEPTH != 1:
+        return False
+    return rows == 1 or (WIDE_TILES is not None and n >= WIDE_TILES * 128)
 
 
 def default_tc_config(m: int, n: int, k: int) -> dict:
     """4 warps of 32 columns (128 columns a program), one group per warp-step; K split to ~4 programs per SM
     at one row, ~2 from two (H200 sweep, run 3a: in_proj_qkv M=4 13.5 us at 2 vs 14.1 at 4; out_proj
-    M=4 12.2 vs 17.0; M=1 within 3%)."""
+    M=4 12.2 vs 17.0; M=1 within 3%); ~6 in the one-buffer loop (`one_buffer_loop`)."""
     if INTERPRET:
         return {"WN": 1, "KW": 2, "num_warps": 2}
-    if one_buffer_loop(m):
+    if one_buffer_loop(m, n):
         return {"WN": 4, "KW": 1, "programs_per_sm": 6.0, "depth": 1}
     return {"WN": 4, "KW": 1, "programs_per_sm": 4.0 if m == 1 else 2.0}
 
