@@ -8,6 +8,8 @@
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
 #                                                   # experts kernels in 16-token chunks (~2 min)
 #   OUT=... bash benchmarks/experiments.sh attn     # decode attention's tile sweep at 8K / 32K (~2 min)
+#   OUT=... bash benchmarks/experiments.sh floor    # what a kernel costs in a captured PDL chain before any math:
+#                                                   # empty, one arrival round, pure streaming 2-32 MB (~2 min)
 #   OUT=... bash benchmarks/experiments.sh ab       # alternating A/B: the shared expert's silu_mul launch kept
 #                                                   # (ROOFLINE_SILU_IN_DOWN=0) against the default (~8 min)
 #   OUT=... bash benchmarks/experiments.sh ab-ba    # alternating A/B of the GDN b/a dots in the GDN kernel (~8 min)
@@ -62,6 +64,9 @@ case "${1:-}" in
   kernels)
     timeout 300 python3 benchmarks/kernels.py --quick --only int8,int4_gemm 2>&1 | tail -40
     ;;
+  floor)  # benchmarks/kernel_floor.py: decides whether ~7 kernels a layer can reach 0.70 (NOTES-kernels, session 16)
+    timeout 300 python3 benchmarks/kernel_floor.py 2>&1 | tail -40
+    ;;
   attn)  # decode attention's tiles at 8K / 32K, M = 1 and 4 (the 32K row is ~0.45 of copy in the step), ~2 min
     timeout 300 python3 benchmarks/kernels.py --only attn 2>&1 | tail -40
     ;;
@@ -96,7 +101,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|shapes|tests|kernels|attn|ab|ab-ba|ab-order|ab-depth|ab-fp8" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|shapes|tests|kernels|attn|floor|ab|ab-ba|ab-order|ab-depth|ab-fp8" >&2
     exit 2
     ;;
 esac
