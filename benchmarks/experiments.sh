@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 15"), as phases that each fit one 10-minute
+# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 16"), as phases that each fit one 10-minute
 # device call:
 #   OUT=... bash benchmarks/experiments.sh first    # GPU tests of what sessions 14-15 wrote, then the 122B table
 #                                                   # with distinct-id verify rows, prefill and the engine loop (~8 min)
@@ -10,15 +10,15 @@
 #   OUT=... bash benchmarks/experiments.sh attn     # decode attention's tile sweep at 8K / 32K (~2 min)
 #   OUT=... bash benchmarks/experiments.sh floor    # what a kernel costs in a captured PDL chain before any math:
 #                                                   # empty, one arrival round, pure streaming 2-32 MB (~2 min)
-#   OUT=... bash benchmarks/experiments.sh ab       # alternating A/B: the shared expert's silu_mul launch kept
-#                                                   # (ROOFLINE_SILU_IN_DOWN=0) against the default (~8 min)
-#   OUT=... bash benchmarks/experiments.sh ab-ba    # alternating A/B of the GDN b/a dots in the GDN kernel (~8 min)
+#   OUT=... bash benchmarks/experiments.sh ab       # in one process on one 122B build (benchmarks/ab_step.py), 3
+#                                                   # alternating rounds of the M = 1 and M = 3 (verify) graphs:
+#                                                   # the default against the one-buffer loop at one row only
+#                                                   # (session 16), the FP8 8 x 128 tiles (session 16), the shared
+#                                                   # expert's silu_mul launch kept (session 15), the GDN b/a dots in
+#                                                   # the GDN kernel (session 10) (~4 min)
 #   OUT=... bash benchmarks/experiments.sh ab-order # INT4 qweights in GPTQ order (what an engine with MTP keeps)
-#                                                   # against block-repacked, now on distinct-id verify rows (~8 min)
-#   OUT=... bash benchmarks/experiments.sh ab-depth # session 16: the one-buffer loop for wide GEMVs of 2-4 rows
-#                                                   # against one row only (ROOFLINE_INT4_DEPTH=one-row): M rows (~8 min)
-#   OUT=... bash benchmarks/experiments.sh ab-fp8   # session 16: the shared expert's FP8 GEMVs on 4 x 512 tiles
-#                                                   # against 8 x 128 (ROOFLINE_FP8_WIDE_TILES=0) (~8 min)
+#                                                   # against block-repacked, now on distinct-id verify rows (~8 min;
+#                                                   # chosen at install time, so two bench runs each round)
 # Each step has its own time limit and writes under $OUT, so a failure or a timeout loses only itself. Set
 # ROOFLINE_COMMIT to the commit the tree is (the device copy's git metadata may not say). fla-core is installed
 # from .carry/ as synthetic.sh does.
@@ -70,17 +70,9 @@ case "${1:-}" in
   attn)  # decode attention's tiles at 8K / 32K, M = 1 and 4 (the 32K row is ~0.45 of copy in the step), ~2 min
     timeout 300 python3 benchmarks/kernels.py --only attn 2>&1 | tail -40
     ;;
-  ab)  # the experiment against the default, alternating so drift shows: A B A B
-    for round in a b; do
-      ROOFLINE_SILU_IN_DOWN=0 synthetic "silu-mul-launch-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
-      synthetic "default-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
-    done
-    ;;
-  ab-ba)
-    for round in a b; do
-      ROOFLINE_GDN_BA_IN_KERNEL=1 synthetic "ba-in-kernel-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
-      synthetic "default-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
-    done
+  ab)  # predictions in NOTES-kernels "Session 16"; the JSON has every round
+    timeout 540 python3 benchmarks/ab_step.py --variants depth-one-row,fp8-8x128,silu-mul-launch,ba-in-kernel \
+      --rounds 3 2>&1 | tail -30
     ;;
   ab-order)  # the MTP engine keeps GPTQ order because its verify rows measured faster there on one id repeated
     for round in a b; do
@@ -88,20 +80,8 @@ case "${1:-}" in
       ROOFLINE_INT4_QBLK=1 synthetic "blocked-order-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
     done
     ;;
-  ab-depth)  # prediction: M = 2-4 steps -0.05 to -0.15 ms (in_proj_qkv+z / attention q/k/v ~-3 us each at 4 rows), M = 1 unchanged
-    for round in a b; do
-      ROOFLINE_INT4_DEPTH=one-row synthetic "depth-one-row-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
-      synthetic "default-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
-    done
-    ;;
-  ab-fp8)  # prediction: graph 0 to -0.07 ms (the shared gate_up -1.4 us a layer, on the second stream)
-    for round in a b; do
-      ROOFLINE_FP8_WIDE_TILES=0 synthetic "fp8-8x128-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
-      synthetic "default-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
-    done
-    ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|shapes|tests|kernels|attn|floor|ab|ab-ba|ab-order|ab-depth|ab-fp8" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|shapes|tests|kernels|attn|floor|ab|ab-order" >&2
     exit 2
     ;;
 esac

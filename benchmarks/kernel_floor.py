@@ -118,7 +118,6 @@ def main():
             entry.update(bytes=nbytes, frac_copy=round(nbytes / (us * 1e-6) / 1e9 / copy, 3))
         results["rows"].append(entry)
         print(f"{name:52s} {us:7.2f} us" + (f"  {entry['frac_copy']:.2f} of copy" if stream_mb else ""), flush=True)
-        del weights
 
     for pdl in (True, False):
         tag = "pdl" if pdl else "no pdl"

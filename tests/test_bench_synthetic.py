@@ -170,7 +170,7 @@ def test_step_bytes_count_the_distinct_experts_a_verify_step_reads():
     interpreter). The bench samples the routing once after its timed replays; each step moves the GDN state, so
     samples differ."""
     pytest.importorskip("triton")
-    from roofline.bench.synthetic import SyntheticRun, _pool_bytes, _step_bytes, distinct_experts, step_ids
+    from roofline.bench.synthetic import SyntheticRun, _pool_bytes, _step_bytes, distinct_experts
     from roofline.engine.cache import CachePool
     from roofline.engine.graphs import DecodeGraphs
     from roofline.kernels.dispatch import install_fast_path
@@ -260,3 +260,29 @@ def test_the_command_writes_what_was_measured_and_exits_non_zero_when_a_part_fai
     assert main(["bench", "synthetic", "--shape", "qwen3.5-122b-a10b", "--out", str(out)]) == 1
     assert json.loads(out.read_text())["errors"] == result["errors"]
     assert "bench synthetic: prefill failed" in capsys.readouterr().err
+
+
+def test_ab_step_variants_switch_the_flags_the_kernels_read_and_put_them_back():
+    """benchmarks/ab_step.py times several switches in one process by setting the module flags each mirrors: every
+    variant must name a flag the code still has (a rename would otherwise measure the default twice), and the
+    defaults must come back after each, also when the timed block fails."""
+    import importlib
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ab_step", Path(__file__).parents[1] / "benchmarks/ab_step.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    for name, (switch, flags) in ab.VARIANTS.items():
+        modules = [importlib.import_module(m) for m, _, _ in flags]
+        before = [getattr(mod, attr) for mod, (_, attr, _) in zip(modules, flags)]
+        assert any(b != value for b, (_, _, value) in zip(before, flags)), f"{name} is the default"
+        with pytest.raises(RuntimeError, match="timed block"):
+            with ab.variant(name):
+                for mod, (_, attr, value) in zip(modules, flags):
+                    assert getattr(mod, attr) is value, (name, attr)
+                raise RuntimeError("the timed block failed")
+        assert [getattr(mod, attr) for mod, (_, attr, _) in zip(modules, flags)] == before, name
+        assert switch.startswith("ROOFLINE_") and "=" in switch
+    with pytest.raises(SystemExit, match="unknown variant"):
+        with ab.variant("no-such-variant"):
+            pass

@@ -1,0 +1,121 @@
+"""Experiment: several A/B comparisons of the decode step in one process, on one synthetic model built once.
+
+    PYTHONPATH=$PWD python benchmarks/ab_step.py --variants depth-one-row,fp8-8x128 [--shape qwen3.5-122b-a10b]
+        [--rounds 3] [--repeats 20]            (CUDA; JSON to $OUT/ab_step.json, else benchmarks/results/)
+
+Why: each `experiments.sh ab*` phase runs `bench synthetic` four times, and each run builds the 122B's random weights
+(~70 GB) again: ~8 minutes of a 30-minute device budget for one comparison. Every switch below is read when a kernel
+is launched, not when the fast path is installed, so one build serves them all: per round, each variant (the default
+first, the order reversed every other round so drift shows) sets its module flags, captures a fresh decode graph and
+times the one-token step and the MTP-2 verify step (M = 3, distinct token ids, saving the rollback state, as the
+engine runs it), then puts the flags back. The figure is the graph replay (the stable one; the step with its host
+part is recorded too). Switches read at install time (the INT4 qweight order, the norm in the MoE GEMVs) need
+`bench synthetic` runs of their own (`experiments.sh ab-order`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import statistics
+from pathlib import Path
+
+# variant -> (the environment switch it mirrors, [(module, attribute, value while the variant runs)])
+VARIANTS = {
+    "depth-one-row": ("ROOFLINE_INT4_DEPTH=one-row", [("roofline.kernels.int4_tc", "WIDE_TILES", None)]),
+    "depth-2": ("ROOFLINE_INT4_DEPTH=2", [("roofline.kernels.int4_tc", "INT4_DEPTH", 2)]),
+    "fp8-8x128": ("ROOFLINE_FP8_WIDE_TILES=0", [("roofline.kernels.fp8_gemv", "FP8_WIDE_TILES", False)]),
+    "silu-mul-launch": ("ROOFLINE_SILU_IN_DOWN=0", [("roofline.kernels.blocks", "SILU_IN_DOWN", False)]),
+    "ba-in-kernel": ("ROOFLINE_GDN_BA_IN_KERNEL=1", [("roofline.kernels.mixers", "GDN_BA_IN_KERNEL", True)]),
+    "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
+    "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
+    "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),
+}
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """Inside the block the kernels run as with the variant's environment switch; the defaults come back after."""
+    if name == "default":
+        yield
+        return
+    if name not in VARIANTS:
+        raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    saved = []
+    try:
+        for module_name, attr, value in VARIANTS[name][1]:
+            module = importlib.import_module(module_name)
+            if not hasattr(module, attr):
+                raise AttributeError(f"{module_name} has no {attr}: the variant {name!r} no longer matches the code")
+            saved.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, value)
+        yield
+    finally:
+        for module, attr, value in reversed(saved):
+            setattr(module, attr, value)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3.5-122b-a10b")
+    ap.add_argument("--variants", required=True, help=f"comma list of: {', '.join(VARIANTS)}")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=None)
+    args = ap.parse_args()
+    import torch
+
+    from roofline.bench.environment import environment
+    from roofline.bench.synthetic import DEFAULT_LAYOUT, SyntheticRun, build_synthetic_model, decode_ms, fill_context
+    from roofline.checkpoint.shapes import resolve_layout
+    from roofline.engine.cache import CachePool
+    from roofline.engine.graphs import DecodeGraphs
+    from roofline.kernels.dispatch import install_fast_path
+
+    names = ["default"] + [v for v in args.variants.split(",") if v]
+    for name in names:
+        with variant(name):  # an unknown name or a renamed flag fails here, before the model is built
+            pass
+    model, _ = build_synthetic_model(args.shape, resolve_layout(DEFAULT_LAYOUT, {"lm_head": "int8"}), "cuda",
+                                     layers=args.layers)
+    fast = install_fast_path(model)
+    pool = CachePool(model.config, model.config.layer_types, 1, 4096, model.device, model.dtype)
+    cache = pool.acquire()
+    fill_context(SyntheticRun(model, pool, None, cache, None), 0)
+    times = {name: {"m1_graph_ms": [], "m3_graph_ms": [], "m1_step_ms": [], "m3_step_ms": []} for name in names}
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            with variant(name):
+                graphs = DecodeGraphs(model, pool, 1, use_graphs=True)  # captured under the variant's flags
+                run = SyntheticRun(model, pool, graphs, cache, None)
+                for m in (1, 3):
+                    step, graph = decode_ms(run, m, args.repeats, rollback=m > 1, distinct=m > 1)
+                    times[name][f"m{m}_graph_ms"].append(graph)
+                    times[name][f"m{m}_step_ms"].append(step)
+                del graphs, run
+                torch.cuda.empty_cache()
+            t = times[name]
+            print(f"round {r} {name:16s} M=1 graph {t['m1_graph_ms'][-1]:.3f} ms, M=3 graph {t['m3_graph_ms'][-1]:.3f} ms",
+                  flush=True)
+    summary = {name: {key: statistics.median(values) for key, values in t.items()} for name, t in times.items()}
+    base = summary["default"]
+    for name, s in summary.items():
+        print(f"{name:16s} M=1 {s['m1_graph_ms']:.3f} ms ({s['m1_graph_ms'] - base['m1_graph_ms']:+.3f}), "
+              f"M=3 {s['m3_graph_ms']:.3f} ms ({s['m3_graph_ms'] - base['m3_graph_ms']:+.3f})")
+    result = {"benchmark": "ab_step", "shape": args.shape, "layers": args.layers, "environment": environment("cuda"),
+              "kernels": dict(fast.installed), "rounds": args.rounds, "repeats": args.repeats,
+              "variants": {name: VARIANTS[name][0] if name != "default" else "defaults" for name in names},
+              "median": summary, "per_round": times,
+              "note": "graph = device time of one captured step's replay; step adds its host part (inputs in, token "
+                      "read back); M = 3 is the verify step on distinct token ids with the rollback saves"}
+    out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "ab_step.json").write_text(json.dumps(result, indent=1))
+    print("wrote", out_dir / "ab_step.json")
+
+
+if __name__ == "__main__":
+    main()
