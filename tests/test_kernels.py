@@ -206,11 +206,29 @@ def test_int4_tc_repacked_gpu(depth):
 
 
 def test_int4_tc_asm_layout():
-    """Compiled for sm_90 (no GPU needed), every inline-asm operand of the tc kernels has its lanes along the tile rows.
+    """Compiled for sm_90 and the DGX Spark's sm_121 (no GPU needed), every inline-asm operand of the tc kernels has its
+    lanes along the tile rows.
 
     Runs in a subprocess without TRITON_INTERPRET (the interpreter replaces @triton.jit functions).
     """
-    compile_only("from roofline.kernels.int4_tc import check_asm_layouts; p = check_asm_layouts(); print(p); assert not p")
+    compile_only("from roofline.kernels.int4_tc import check_asm_layouts; p = check_asm_layouts(90) + check_asm_layouts(121); "
+                 "print(p); assert not p")
+
+
+def test_fast_path_kernels_compile_for_the_h200_and_the_dgx_spark():
+    """Compiled without a GPU as the JIT would (aligned pointers), every fast-path kernel at its GPU configuration
+    builds for sm_90 and for the DGX Spark's sm_121 within a block's shared memory there (~99 KB against 227); a
+    configuration that needs more (attention's 64-key tiles in 3 stages) is reported for sm_121 alone."""
+    out = compile_only("""
+from roofline.kernels import targets
+print(targets.check_targets((90, 121)))
+name, fn, consts, *rest = [c for c in targets._cases() if c[0] == "decode attention M=1"][0]
+targets._cases = lambda: [(name, fn, {**consts, "BT": 64}, rest[0], rest[1], 8, 3)]
+print(targets.check_targets((90, 121)))
+""")
+    clean, oversized = out.strip().splitlines()[-2:]
+    assert clean == "[]", clean
+    assert "sm_121 decode attention M=1" in oversized and "sm_90" not in oversized, oversized
 
 
 def compile_only(code: str) -> str:

@@ -1,0 +1,107 @@
+"""Compile the decode fast path's Triton kernels for a GPU target without a GPU: a portability check.
+
+    python -m roofline.kernels.targets 90 121        (TRITON_INTERPRET unset; needs Triton's bundled ptxas)
+
+Why: the benchmarks run on an H200 (sm_90), the users' DGX Spark is sm_121 (GB10: ~99 KB of shared memory a
+block against the H200's 227 KB), and no sm_121 machine is lent. Each kernel is compiled at its GPU configuration
+(the tiles `default_config`s pick on CUDA) as the JIT would: pointers and the integer arguments that are multiples
+of 16 in practice marked so (without that Triton neither vectorises nor pipelines the loads, and a kernel's shared
+memory would look smaller than it is). A kernel that does not compile for a target, or needs more shared memory
+than a block of it has, is a problem; `check_targets` returns one line per problem. The INT4 tensor-core GEMV and
+experts kernels are also checked by `int4_tc.check_asm_layouts`, which takes a target too.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# Per-block shared memory (opt-in maximum), bytes: Hopper; consumer / GB10 Blackwell.
+SHARED_LIMIT = {90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024, 121: 99 * 1024}
+# Integer arguments that are not multiples of 16 in practice (counts of heads, splits, rows, steps).
+NOT_DIV16 = {"HKV", "NSPLIT", "A_ROW_DIV", "M", "T", "SPLIT_K", "GROUPS", "GPS", "HK", "NVB", "X_PER_ROW", "NT",
+             "S_COLS", "WS_STRIDE"}
+
+
+def _cases():
+    """(name, jit function, constexprs, pointer types, float args, num_warps, num_stages) at the GPU configs."""
+    import triton.language as tl
+
+    from .decode_attention import _decode_attn_kernel, _decode_attn_merge_kernel
+    from .fp8_gemv import _fp8_gemv_kernel
+    from .gdn_decode import _gdn_decode_kernel
+    from .int4_gemm import _grouped_kernel
+    from .int8_lm_head import _int8_rows_dot_kernel
+
+    cases = [("int8 lm head (tensor cores, 32 x 256)", _int8_rows_dot_kernel, {"BV": 32, "BH": 256, "PDL": True},
+              {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*fp32"}, (), 2, 3)]
+    attn = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "len_ptr": "*i32", "slot_ptr": "*i32",
+            "out_ptr": "*bf16", "ws_ptr": "*fp32", "gate_ptr": "*bf16"}
+    for m, bq, warps, stages in [(1, 16, 4, 3), (2, 32, 8, 2), (4, 64, 8, 2)]:  # decode_attention's choices by rows
+        cases.append((f"decode attention M={m}", _decode_attn_kernel,
+                      {"M": m, "HG": 16, "BQ": bq, "BD": 256, "BT": 32, "HAS_SLOTS": True, "HAS_GATE": True,
+                       "PDL": True}, attn, ("scale_log2",), warps, stages))
+    cases.append(("decode attention merge", _decode_attn_merge_kernel,
+                  {"M": 1, "HG": 16, "BQ": 16, "BD": 256, "DC": 64, "SP": 128, "HAS_GATE": True, "PDL": True},
+                  {"ws_ptr": "*fp32", "out_ptr": "*bf16", "gate_ptr": "*bf16"}, (), 4, 1))
+    gemm = {"a_ptr": "*bf16", "rows_ptr": "*i32", "block_expert_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32",
+            "sc_ptr": "*fp16", "rw_ptr": "*fp32", "out_ptr": "*bf16"}
+    for bm, bn, bk in [(64, 128, 64), (16, 128, 128)]:  # int4_gemm._config: prefill, and <= 16 rows a group
+        cases.append((f"int4 gemm {bm} x {bn} x {bk}", _grouped_kernel,
+                      {"GROUP": 128, "BLOCKED": True, "SWIGLU": True, "WEIGHTED": False, "BM": bm, "BN": bn, "BK": bk},
+                      gemm, (), 4, 3))
+    gdn = {p: "*bf16" for p in ("qkv_ptr", "z_ptr", "b_ptr", "a_ptr", "conv_ptr", "convw_ptr", "dtb_ptr", "nw_ptr",
+                                "out_ptr", "sconv_ptr")}
+    gdn.update(alog_ptr="*fp32", state_ptr="*fp32", o_ws="*fp32", cnt_ptr="*i32", slot_ptr="*i32", sstate_ptr="*fp32")
+    for m in (1, 3):
+        cases.append((f"gdn decode M={m}", _gdn_decode_kernel,
+                      {"GROUP": 4, "GROUPP": 4, "BDK": 128, "BDV": 128, "BV": 16, "KERNEL": 4, "CONV_TY": tl.bfloat16,
+                       "M": m, "HAS_SLOTS": True, "SAVE_STATES": m > 1, "SAVE_CONV": m > 1, "PDL": True, "x_ptr": None,
+                       "baw_ptr": None, "BA_IN": False, "BH": 1, "MP": 1}, gdn, ("eps",), 2, 1))
+    fp8 = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+           "cnt_ptr": "*i32", "ss_ptr": "*fp32", "nw_ptr": "*bf16", "normed_ptr": "*bf16", "experts_ptr": "*i64",
+           "weights_ptr": "*fp32", "ids_ptr": "*i64"}
+    base = {"SBN": 128, "SBK": 128, "SPLITP": 8, "PDL": True, "KP": 1, "BE": 1, "NTP": 32, "GROUPED": False,
+            "NORM_OUT": False, "ids_ptr": None}
+    for name, extra in [("shared gate_up (4 x 512, norm on load)",
+                         {"BM": 1, "BN": 4, "BK": 512, "HAS_SCALE": True, "TOPK": 0, "NORM": True, "GATED": False,
+                          "experts_ptr": None, "weights_ptr": None}),
+                        ("shared down (4 x 512, silu * up on load), 4 rows",
+                         {"BM": 4, "BN": 4, "BK": 512, "HAS_SCALE": True, "TOPK": 0, "NORM": False, "GATED": True,
+                          "experts_ptr": None, "weights_ptr": None, "ss_ptr": None, "nw_ptr": None, "normed_ptr": None}),
+                        ("router + top-8 (8 x 128)",
+                         {"BM": 1, "BN": 8, "BK": 128, "HAS_SCALE": False, "TOPK": 8, "KP": 8, "BE": 256, "NORM": True,
+                          "NORM_OUT": True, "GATED": False})]:
+        cases.append((f"fp8 gemv: {name}", _fp8_gemv_kernel, {**base, **extra}, fp8, ("eps",), 1, 1))
+    return cases
+
+
+def check_targets(archs=(90, 121)) -> list[str]:
+    """Compile every case for each sm_`arch`; a line per kernel that fails or overflows the target's shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    problems = []
+    for arch in archs:
+        for name, fn, consts, pointers, floats, warps, stages in _cases():
+            sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a in floats else "i32")
+                   for a in fn.arg_names}
+            aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                       if a not in consts and a not in floats and a not in NOT_DIV16}
+            try:
+                kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned),
+                                        target=GPUTarget("cuda", arch, 32),
+                                        options={"num_warps": warps, "num_stages": stages})
+            except Exception as exc:  # a compile failure is what this check reports
+                problems.append(f"sm_{arch} {name}: does not compile: {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            shared, limit = kernel.metadata.shared, SHARED_LIMIT.get(arch)
+            if limit is not None and shared > limit:
+                problems.append(f"sm_{arch} {name}: {shared} bytes of shared memory, over the {limit} a block has")
+    return problems
+
+
+if __name__ == "__main__":
+    found = check_targets([int(a) for a in sys.argv[1:]] or (90, 121))
+    print("\n".join(found) or "every kernel compiles within its target's shared memory")
+    sys.exit(1 if found else 0)
