@@ -30,6 +30,7 @@ VARIANTS = {
     "fp8-8x128": ("ROOFLINE_FP8_WIDE_TILES=0", [("roofline.kernels.fp8_gemv", "FP8_WIDE_TILES", False)]),
     "silu-mul-launch": ("ROOFLINE_SILU_IN_DOWN=0", [("roofline.kernels.blocks", "SILU_IN_DOWN", False)]),
     "ba-in-kernel": ("ROOFLINE_GDN_BA_IN_KERNEL=1", [("roofline.kernels.mixers", "GDN_BA_IN_KERNEL", True)]),
+    "router-one-launch": ("ROOFLINE_ROUTER_ROWS=4", [("roofline.kernels.blocks", "FUSED_ROUTE_ROWS", 4)]),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),

@@ -15,7 +15,8 @@
 #                                                   # the default against the one-buffer loop at one row only
 #                                                   # (session 16), the FP8 8 x 128 tiles (session 16), the shared
 #                                                   # expert's silu_mul launch kept (session 15), the GDN b/a dots in
-#                                                   # the GDN kernel (session 10) (~4 min)
+#                                                   # the GDN kernel (session 10), the router's routing in its GEMV
+#                                                   # at 3-4 rows (session 16) (~5 min)
 #   OUT=... bash benchmarks/experiments.sh ab-order # INT4 qweights in GPTQ order (what an engine with MTP keeps)
 #                                                   # against block-repacked, now on distinct-id verify rows (~8 min;
 #                                                   # chosen at install time, so two bench runs each round)
@@ -71,7 +72,7 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/kernels.py --only attn 2>&1 | tail -40
     ;;
   ab)  # predictions in NOTES-kernels "Session 16"; the JSON has every round
-    timeout 540 python3 benchmarks/ab_step.py --variants depth-one-row,fp8-8x128,silu-mul-launch,ba-in-kernel \
+    timeout 540 python3 benchmarks/ab_step.py --variants depth-one-row,fp8-8x128,silu-mul-launch,ba-in-kernel,router-one-launch \
       --rounds 3 2>&1 | tail -30
     ;;
   ab-order)  # the MTP engine keeps GPTQ order because its verify rows measured faster there on one id repeated

@@ -286,3 +286,29 @@ def test_ab_step_variants_switch_the_flags_the_kernels_read_and_put_them_back():
     with pytest.raises(SystemExit, match="unknown variant"):
         with ab.variant("no-such-variant"):
             pass
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's dry run; the GPU runs the command above")
+def test_every_part_of_the_table_runs_on_the_tiny_shape_in_the_interpreter():
+    """run_synthetic end to end on the tiny shape (kernels in Triton's interpreter, nothing captured, wall-clock
+    times): the rows a GPU run fills, so a slip in how they are put together shows here and not in a device call;
+    the report renders them."""
+    pytest.importorskip("triton")
+    from roofline.bench.synthetic import format_report, run_synthetic
+
+    r = run_synthetic("tiny", LAYOUT, contexts=(0, 8), verify_tokens=(2, 3), repeats=1, capacity=64, device="cpu",
+                      progress=lambda _: None, engine_tokens=0, prefill=(), batches=())
+    assert "errors" not in r and r["peak_memory_bytes"] is None and r["copy_bandwidth"] > 0
+    assert [d["context"] for d in r["decode"]] == [0, 8] and all(d["tok_s"] > 0 for d in r["decode"])
+    rows = {(t["m"], t["token_ids"]): t for t in r["tokens_per_sequence"]}
+    assert list(rows) == [(1, "one"), (2, "distinct"), (2, "repeated"), (3, "distinct"), (3, "repeated")]
+    top_k = shape_config("tiny", None)["text_config"]["num_experts_per_tok"]
+    assert rows[(1, "one")]["distinct_experts_per_layer"] == top_k
+    assert top_k <= rows[(3, "repeated")]["distinct_experts_per_layer"] <= rows[(3, "distinct")]["distinct_experts_per_layer"]
+    mtp = r["mtp"]  # keyed by drafts k = M - 1, as the engine's verify runs them (distinct ids, rollback saves)
+    assert set(mtp["verify_step_ms"]) == set(mtp["verify_step_ms_without_rollback"]) == set(mtp["verify_step_ms_repeated_id"]) == {1, 2}
+    assert [m["k"] for m in mtp["modelled"]] == [1, 2] and mtp["draft_step_ms"] > 0
+    assert set(r["breakdown_ms"]) >= {"whole_step_graph", "attention", "gdn", "routed experts", "shared expert", "lm head", "rest"}
+    report = format_report(json.loads(json.dumps(r)))  # as the command writes and reads it back
+    assert "| 3 | distinct |" in report and "| 3 | repeated |" in report and "on one id" in report and "without" in report
+    assert "peak GPU memory - GiB" in report

@@ -216,6 +216,36 @@ def test_router_gemv_routes_as_the_top_k_kernel(merged):
 
 
 @runs_here
+@pytest.mark.parametrize("rows", [3, 4])
+def test_router_routes_three_and_four_rows_in_one_launch_when_asked(monkeypatch, rows):
+    """ROOFLINE_ROUTER_ROWS=4 (benchmarks/ab_step.py's router-one-launch): a verify step's 3-4 rows route in the
+    GEMV's epilogue, on ROUTER_ROWS_CONFIG's tiles, exactly as route_top_k on that GEMV's logits; the shared
+    expert's gate logit is the merged weight's last column."""
+    import types
+
+    from roofline.kernels import blocks
+    from roofline.kernels.dispatch import install_weight_kernel
+    from roofline.kernels.fp8_gemv import dense_matmul
+    from roofline.kernels.merge import Projections
+    from roofline.quant import DenseWeight
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float16
+    torch.manual_seed(rows)
+    gate, shared_gate = DenseWeight(64, 256, dtype=dtype, device=DEVICE), DenseWeight(1, 256, dtype=dtype, device=DEVICE)
+    for w in (gate, shared_gate):
+        w.weight.copy_(torch.randn(w.weight.shape))
+        install_weight_kernel(w)
+    moe = types.SimpleNamespace(gate=gate, shared_expert_gate=shared_gate, top_k=8,
+                                merged={"router": Projections([gate, shared_gate], install_weight_kernel)})
+    x = torch.randn(rows, 256, device=DEVICE).to(dtype)
+    monkeypatch.setattr(blocks, "FUSED_ROUTE_ROWS", 4)
+    experts, weights, gate_logit = blocks._route(moe, x)
+    logits = dense_matmul(x, moe.merged["router"].merged.weight, config=blocks.ROUTER_ROWS_CONFIG)
+    assert_same_routing((experts, weights), route_top_k(logits[:, :64], 8))
+    assert torch.equal(gate_logit, logits[:, 64:])
+
+
+@runs_here
 def test_shared_expert_takes_its_activation_in_the_down_gemv(monkeypatch, caplog):
     """The default layout's FP8 shared experts on the fast path: each one's down GEMV takes silu * up on load (counted
     among the installed kernels) and gives what the silu_mul launch and the GEMV give, bit for bit, at 1..4 rows."""

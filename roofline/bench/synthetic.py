@@ -81,6 +81,8 @@ def engine_token_bytes(model) -> TokenBytes:
 
 def measure_copy_bandwidth(device, nbytes: int = 2 << 30, repeats: int = 20) -> float:
     """Bytes per second of a device-to-device copy, counting bytes read and written (median of repeats)."""
+    if torch.device(device).type != "cuda":  # the interpreter's dry run (tests): a small copy, wall-clock timed
+        nbytes, repeats = min(nbytes, 64 << 20), min(repeats, 3)
     src = torch.empty(nbytes // 2, dtype=torch.int16, device=device).random_()
     dst = torch.empty_like(src)
     return 2 * nbytes / (device_ms(lambda: dst.copy_(src), repeats, warmup=3) / 1e3)
@@ -99,7 +101,9 @@ def _median_ms(fn, repeats: int, warmup: int = 3) -> float:
 
 
 def device_ms(fn, repeats: int, warmup: int = 2) -> float:
-    """Median device time of `fn` (timed with CUDA events, each call alone), in ms."""
+    """Median device time of `fn` (timed with CUDA events, each call alone), in ms; the wall time without CUDA."""
+    if not torch.cuda.is_available():
+        return _median_ms(fn, repeats, warmup=0)
     times = []
     for _ in range(warmup + repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -112,7 +116,9 @@ def device_ms(fn, repeats: int, warmup: int = 2) -> float:
 
 
 def _graph_ms(fn, repeats: int) -> float:
-    """Median device time of `fn` captured alone as a CUDA graph, in ms per call."""
+    """Median device time of `fn` captured alone as a CUDA graph, in ms per call (run eagerly without CUDA)."""
+    if not torch.cuda.is_available():
+        return device_ms(fn, repeats)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -166,7 +172,8 @@ def decode_ms(run: SyntheticRun, m: int, repeats: int, rollback: bool = False, d
 
     step_ms = _median_ms(step, repeats)
     buf = run.graphs.run(ids, [run.cache], m, rollback=rollback)
-    return step_ms, device_ms(buf.graph.replay, repeats)
+    replay = buf.graph.replay if buf.graph is not None else lambda: run.graphs.run(ids, [run.cache], m, rollback=rollback)
+    return step_ms, device_ms(replay, repeats)
 
 
 def distinct_experts(run: SyntheticRun, m: int, distinct: bool = False) -> float | None:
@@ -451,28 +458,32 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                   repeats: int = 50, acceptance=(0.95, 0.80), layers: int | None = None, capacity: int = 262144,
                   device: str = "cuda", progress=print, profile: bool = False, engine_tokens: int = 256,
                   prefill=(4096,), batches=((8, 1), (8, 3))) -> dict:
-    """Everything the module docstring lists, as a JSON-ready dict."""
+    """Everything the module docstring lists, as a JSON-ready dict. On device "cpu" under TRITON_INTERPRET=1 (the
+    tests' dry run of every part on the tiny shape) the kernels run in the interpreter in fp32, nothing is captured
+    or profiled, times are wall-clock and no peak memory is recorded."""
     from ..errors import UserError
     from .environment import environment
 
-    if not torch.cuda.is_available():
+    cuda = torch.device(device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
         raise UserError("bench synthetic measures the CUDA decode path: no CUDA device here")
     result = {"benchmark": "synthetic", "shape": shape, "layers": layers, "environment": environment(device)}
     copy_bw = measure_copy_bandwidth(device)
     progress(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
     start = time.perf_counter()
-    model, _ = build_synthetic_model(shape, formats, device, layers=layers)
+    model, _ = build_synthetic_model(shape, formats, device, torch.bfloat16 if cuda else torch.float32, layers=layers)
     cfg = model.config
     result["layout"] = describe_layout(formats, cfg)
     progress(f"built {shape} ({result['layout']}) with random weights in {time.perf_counter() - start:.1f} s")
-    torch.cuda.reset_peak_memory_stats()  # peak while serving: weights, cache pool, graphs (not the build's temporaries)
-    fast = install_fast_path(model)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()  # peak while serving: weights, cache pool, graphs (not the build's temporaries)
+    fast = install_fast_path(model, allow_cpu=not cuda)
     if not fast.graph_ready:
         raise UserError("the decode step cannot be captured: " + ("; ".join(fast.graph_blockers) or "no fast path"))
     capacity = max(capacity, max(contexts) + max(verify_tokens, default=1) + 1)
     pool = CachePool(cfg, cfg.layer_types, 1, capacity, device, model.dtype)
     mtp_pool = CachePool(cfg, ["full_attention"], 1, capacity, device, model.dtype) if model.mtp is not None else None
-    run = SyntheticRun(model, pool, DecodeGraphs(model, pool, 1, use_graphs=True), pool.acquire(), mtp_pool)
+    run = SyntheticRun(model, pool, DecodeGraphs(model, pool, 1, use_graphs=cuda), pool.acquire(), mtp_pool)
 
     tb = engine_token_bytes(model)
     state_bytes, kv_per_token = _pool_bytes(pool)
@@ -520,7 +531,7 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     parts["rest"] = whole - sum(parts.values())
     result["breakdown_ms"] = {"whole_step_graph": whole, **parts,
                               "note": "each component captured alone over all layers; rest = whole step - their sum"}
-    if profile:  # the one-token step, and the MTP-2 verify step (M = 3) beside it: which kernels its extra time is in
+    if profile and cuda:  # the one-token step, and the MTP-2 verify step (M = 3) beside it: which kernels its extra time is in
         for m, key in ((1, "kernel_profile"), (3, "kernel_profile_m3")):
             if m == 1 or m in verify_tokens:
                 buf = run.graphs.run(step_ids(cfg.vocab_size, m, distinct=True), [run.cache], m)  # a real verify's routing
@@ -543,11 +554,12 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     if batches and measured_part(result, "batch_decode", lambda: batch_decode(model, batches, repeats), progress):
         progress("batched decode: " + ", ".join(f"{r['sequences']}x{r['m']} ({r['int4_gemm']}) {r['step_ms']:.2f} ms"
                                                  f"{'' if r['cuda_graph'] else ' eager'}" for r in result["batch_decode"]))
-    peak_before_prefill = torch.cuda.max_memory_allocated()
+    peak_before_prefill = torch.cuda.max_memory_allocated() if cuda else None
     if prefill and measured_part(result, "prefill", lambda: engine_prefill(model, prefill), progress):
         progress("prefill: " + ", ".join(f"{r['prompt_tokens']} tokens{' (int4 gemm: %s)' % r['int4_gemm'] if r['int4_gemm'] else ''} "
                                          f"{r['ms']:.0f} ms ({r['tok_s']:.0f} tok/s)" for r in result["prefill"]))
-    torch.cuda.reset_peak_memory_stats()  # peak_memory_bytes stays the decode path's: prefill rows have their own
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()  # peak_memory_bytes stays the decode path's: prefill rows have their own
     if engine_tokens and measured_part(result, "engine_loop", lambda: engine_loop(model, engine_tokens), progress):
         for row in result["engine_loop"]:
             if "mtp" in row and "mtp" in result and row["mtp"] in result["mtp"]["verify_step_ms"]:
@@ -555,7 +567,7 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                 row["modelled_step_ms"] = result["mtp"]["verify_step_ms"][k] + k * result["mtp"]["draft_step_ms"]
         progress("engine loop: " + ", ".join(f"{r['sampling']} async {'on' if r['async_scheduling'] else 'off'} "
                                              f"{r['tok_s']:.1f} tok/s" for r in result["engine_loop"] if "mtp" not in r))
-    result["peak_memory_bytes"] = max(peak_before_prefill, torch.cuda.max_memory_allocated())
+    result["peak_memory_bytes"] = max(peak_before_prefill, torch.cuda.max_memory_allocated()) if cuda else None
     result["pool_bytes"] = pool.nbytes + (mtp_pool.nbytes if mtp_pool else 0)
     return result
 
@@ -648,7 +660,7 @@ def format_report(r: dict) -> str:
                              + f", {e['tokens_per_step']:.2f} tokens per step (random weights: acceptance "
                              f"{', '.join(f'{a:.2f}' for a in e['acceptance'])}); tokens "
                              + ("as" if e["tokens_equal_without_mtp"] else "NOT as") + " without MTP")
-    lines.append(f"\npeak GPU memory {r['peak_memory_bytes'] / 2**30:.1f} GiB (cache pool for {r['capacity_tokens']} tokens: "
+    lines.append(f"\npeak GPU memory {_gib(r['peak_memory_bytes'])} GiB (cache pool for {r['capacity_tokens']} tokens: "
                  f"{r['pool_bytes'] / 2**30:.2f} GiB)")
     lines += [f"NOT MEASURED: {e['part']} failed: {e['error'][:300]}" for e in r.get("errors", [])]
     return "\n".join(lines)

@@ -74,8 +74,15 @@ def norm_in_gemvs(layer: DecoderLayer, dtype) -> bool:
 # Rows up to which the router routes in its GEMV's epilogue. H200, 2026-12-03 (BENCHMARKS.md): with the epilogue
 # at every row count the M=3 / M=4 verify steps took 6.1-6.3 / 6.4-6.5 ms against 5.5 / 5.7 before (M=1 and M=2
 # no slower); the epilogue runs in one single-warp program, where the separate top-k kernel has a program of 4
-# warps per row. Whether that is the cause is not yet measured: M >= 3 keeps the two launches until it is.
-FUSED_ROUTE_ROWS = 2
+# warps per row. Run 13's router sweep at M = 4 then had the one launch at 6.72 us on 2 warps with 256-wide K steps
+# (11.85 on the default single warp) against 6.18 for the two launches, which in the step also pay a kernel
+# boundary: ROOFLINE_ROUTER_ROWS=4 routes 3-4 rows in the epilogue on those tiles (`ROUTER_ROWS_CONFIG`; session 16,
+# an experiment for `benchmarks/ab_step.py`, not yet measured in the step).
+_ROUTER_ROWS = os.environ.get("ROOFLINE_ROUTER_ROWS", "2")
+if _ROUTER_ROWS not in ("2", "4"):
+    raise ValueError(f"ROOFLINE_ROUTER_ROWS must be 2 or 4, got {_ROUTER_ROWS!r}")
+FUSED_ROUTE_ROWS = int(_ROUTER_ROWS)
+ROUTER_ROWS_CONFIG = {"BK": 256, "num_warps": 2}  # the one-launch router past two rows
 
 
 _routes: list[torch.Tensor] | None = None  # see recording_routes
@@ -107,7 +114,8 @@ def _route(moe: SparseMoE, x: torch.Tensor, norm: NormOnLoad | None = None) -> t
             logits = fp8_matmul(x, *operands, norm=norm)
             experts, weights = route_top_k(logits[..., :e], moe.top_k)
         else:
-            logits, experts, weights = router_top_k(x, *operands, e, moe.top_k, norm=norm)
+            config = ROUTER_ROWS_CONFIG if row_count(x) > 2 else None
+            logits, experts, weights = router_top_k(x, *operands, e, moe.top_k, norm=norm, config=config)
         if moe.merged["router"].merged is not None:
             gate_logit = logits[..., e:]
         else:
