@@ -163,34 +163,6 @@ def test_batch_decode_rows_time_each_int4_many_rows_path(monkeypatch):
     assert model.max_graph_rows == 80
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU runs it in the command above")
-def test_step_bytes_count_the_distinct_experts_a_verify_step_reads():
-    """One row reads its top_k experts a layer; three rows of distinct ids between top_k and 3 x top_k distinct ones,
-    and the step's bytes grow by exactly those extra experts' share of the stored experts (the pooled step in the
-    interpreter). The bench samples the routing once after its timed replays; each step moves the GDN state, so
-    samples differ."""
-    pytest.importorskip("triton")
-    from roofline.bench.synthetic import SyntheticRun, _pool_bytes, _step_bytes, distinct_experts
-    from roofline.engine.cache import CachePool
-    from roofline.engine.graphs import DecodeGraphs
-    from roofline.kernels.dispatch import install_fast_path
-
-    model, _ = build_synthetic_model("tiny", LAYOUT, "cpu", torch.float32)
-    install_fast_path(model, allow_cpu=True)
-    cfg = model.config
-    pool = CachePool(cfg, cfg.layer_types, 1, 64, "cpu", model.dtype)
-    run = SyntheticRun(model, pool, DecodeGraphs(model, pool, 1, use_graphs=False), pool.acquire(), None)
-    k = cfg.num_experts_per_tok
-    assert distinct_experts(run, 1) == distinct_experts(run, 1, distinct=True) == k
-    three = distinct_experts(run, 3, distinct=True)
-    assert k < three <= min(3 * k, cfg.num_experts)  # distinct ids route apart (seeded weights)
-    tb, (state, _) = engine_token_bytes(model), _pool_bytes(pool)
-    one, many = _step_bytes(run, tb, 1, 2.0, 1e9), _step_bytes(run, tb, 3, 4.0, 1e9, distinct=True)
-    assert one["bytes"] == tb.weights + state and one["fraction_of_ceiling"] == pytest.approx(one["bytes"] / 1e9 / 2e-3)
-    extra = many["distinct_experts_per_layer"] - k  # a new sample: each step moves the GDN state, and the routing
-    assert many["bytes"] - one["bytes"] == pytest.approx(tb.experts_stored * extra / tb.num_experts)
-
-
 def test_step_ids_repeat_one_id_or_draw_distinct_ones():
     """The bench's M rows: one id repeated, or M distinct ids in the vocabulary, the same ones every run."""
     from roofline.bench.synthetic import step_ids
@@ -291,23 +263,33 @@ def test_ab_step_variants_switch_the_flags_the_kernels_read_and_put_them_back():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's dry run; the GPU runs the command above")
 def test_every_part_of_the_table_runs_on_the_tiny_shape_in_the_interpreter():
     """run_synthetic end to end on the tiny shape (kernels in Triton's interpreter, nothing captured, wall-clock
-    times): the rows a GPU run fills, so a slip in how they are put together shows here and not in a device call;
-    the report renders them."""
+    times), so a slip in how its rows are put together shows here and not in a device call; the report renders them.
+    The M rows' bytes: one row reads its top_k experts a layer, three rows of distinct ids between top_k and
+    3 x top_k distinct ones, one id repeated no more than those, and a step's bytes grow by exactly its extra
+    experts' share of the stored experts (each row samples the routing again after its timed steps, which move the
+    GDN state)."""
     pytest.importorskip("triton")
     from roofline.bench.synthetic import format_report, run_synthetic
 
-    r = run_synthetic("tiny", LAYOUT, contexts=(0, 8), verify_tokens=(2, 3), repeats=1, capacity=64, device="cpu",
+    r = run_synthetic("tiny", LAYOUT, contexts=(0,), verify_tokens=(3,), repeats=1, capacity=64, device="cpu",
                       progress=lambda _: None, engine_tokens=0, prefill=(), batches=())
     assert "errors" not in r and r["peak_memory_bytes"] is None and r["copy_bandwidth"] > 0
-    assert [d["context"] for d in r["decode"]] == [0, 8] and all(d["tok_s"] > 0 for d in r["decode"])
+    assert [d["context"] for d in r["decode"]] == [0] and r["decode"][0]["tok_s"] > 0
     rows = {(t["m"], t["token_ids"]): t for t in r["tokens_per_sequence"]}
-    assert list(rows) == [(1, "one"), (2, "distinct"), (2, "repeated"), (3, "distinct"), (3, "repeated")]
-    top_k = shape_config("tiny", None)["text_config"]["num_experts_per_tok"]
-    assert rows[(1, "one")]["distinct_experts_per_layer"] == top_k
-    assert top_k <= rows[(3, "repeated")]["distinct_experts_per_layer"] <= rows[(3, "distinct")]["distinct_experts_per_layer"]
+    assert list(rows) == [(1, "one"), (3, "distinct"), (3, "repeated")]
+    cfg = shape_config("tiny", None)["text_config"]
+    k, experts = cfg["num_experts_per_tok"], cfg["num_experts"]
+    one, three, same = rows[(1, "one")], rows[(3, "distinct")], rows[(3, "repeated")]
+    assert one["distinct_experts_per_layer"] == k and k < three["distinct_experts_per_layer"] <= min(3 * k, experts)
+    assert k <= same["distinct_experts_per_layer"] <= min(3 * k, experts)
+    b = r["bytes"]
+    assert one["bytes"] == b["weights_per_token"] + b["gdn_state_rw"]
+    for row in (three, same):
+        extra = row["distinct_experts_per_layer"] - k
+        assert row["bytes"] - one["bytes"] == pytest.approx(b["routed_experts_stored"] * extra / experts)
     mtp = r["mtp"]  # keyed by drafts k = M - 1, as the engine's verify runs them (distinct ids, rollback saves)
-    assert set(mtp["verify_step_ms"]) == set(mtp["verify_step_ms_without_rollback"]) == set(mtp["verify_step_ms_repeated_id"]) == {1, 2}
-    assert [m["k"] for m in mtp["modelled"]] == [1, 2] and mtp["draft_step_ms"] > 0
+    assert set(mtp["verify_step_ms"]) == set(mtp["verify_step_ms_without_rollback"]) == set(mtp["verify_step_ms_repeated_id"]) == {2}
+    assert [m["k"] for m in mtp["modelled"]] == [2] and mtp["draft_step_ms"] > 0 and mtp["draft_vocab"] == cfg["vocab_size"]
     assert set(r["breakdown_ms"]) >= {"whole_step_graph", "attention", "gdn", "routed experts", "shared expert", "lm head", "rest"}
     report = format_report(json.loads(json.dumps(r)))  # as the command writes and reads it back
     assert "| 3 | distinct |" in report and "| 3 | repeated |" in report and "on one id" in report and "without" in report

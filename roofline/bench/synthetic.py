@@ -163,17 +163,19 @@ def step_ids(vocab: int, m: int, distinct: bool) -> list[int]:
 def decode_ms(run: SyntheticRun, m: int, repeats: int, rollback: bool = False, distinct: bool = False) -> tuple[float, float]:
     """(engine step ms: inputs in, graph replay, argmax read back; replay alone ms): one sequence, m tokens
     (`step_ids`). With `rollback` the step also saves each position's GDN state and conv window, as the engine's
-    MTP verify does."""
+    MTP verify does. Without graphs (the interpreter's dry run) there is no replay: the step's time twice, no
+    warm-up."""
     ids = step_ids(run.model.config.vocab_size, m, distinct)
 
     def step():
         buf = run.graphs.run(ids, [run.cache], m, rollback=rollback)
         buf.logits[:m].argmax(-1).tolist()
 
-    step_ms = _median_ms(step, repeats)
+    step_ms = _median_ms(step, repeats, warmup=3 if run.graphs.use_graphs else 0)
+    if not run.graphs.use_graphs:
+        return step_ms, step_ms
     buf = run.graphs.run(ids, [run.cache], m, rollback=rollback)
-    replay = buf.graph.replay if buf.graph is not None else lambda: run.graphs.run(ids, [run.cache], m, rollback=rollback)
-    return step_ms, device_ms(replay, repeats)
+    return step_ms, device_ms(buf.graph.replay, repeats)
 
 
 def distinct_experts(run: SyntheticRun, m: int, distinct: bool = False) -> float | None:
@@ -543,13 +545,14 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     if draft is not None:
         # the verify step as the engine runs it: distinct ids, saving the GDN states a rejected draft rolls back to
         verify_k = {m - 1: decode_ms(run, m, repeats, rollback=True, distinct=True)[0] for m in verify if m > 1}
-        small = draft_ms(run, repeats, DRAFT_VOCAB)
+        draft_vocab = min(DRAFT_VOCAB, cfg.vocab_size)  # a small vocabulary (the tiny shape) is its own subset
+        small = draft_ms(run, repeats, draft_vocab)
         result["mtp"] = {"draft_step_ms": draft, "verify_step_ms": verify_k,
                          "verify_step_ms_without_rollback": {m - 1: ms for m, ms in verify.items() if m > 1},
                          "verify_step_ms_repeated_id": {m - 1: decode_ms(run, m, repeats, rollback=True)[0]
                                                         for m in verify if m > 1},
                          "modelled": modelled_mtp(verify[1], verify_k, draft, acceptance),
-                         "draft_vocab": DRAFT_VOCAB, "draft_step_ms_small_vocab": small,
+                         "draft_vocab": draft_vocab, "draft_step_ms_small_vocab": small,
                          "modelled_small_vocab": modelled_mtp(verify[1], verify_k, small, acceptance)}
     if batches and measured_part(result, "batch_decode", lambda: batch_decode(model, batches, repeats), progress):
         progress("batched decode: " + ", ".join(f"{r['sequences']}x{r['m']} ({r['int4_gemm']}) {r['step_ms']:.2f} ms"
