@@ -12,6 +12,9 @@ CUDA graph, with and without programmatic dependent launch (the project's `wait_
 - `empty`: every program waits, reads one word of the previous kernel's output, writes one: launch + hand-off;
 - `arrive`: `empty` plus the split-K reduction the GEMVs run (a partial each, `_common.arrive`, the last program of
   each column tile sums its tile's partials): what one arrival round adds;
+- `fused pair`: two `stream` stages in one launch, the second's items waiting inside the kernel for all of the first's
+  (ticket order, a spin on a counter), against the same stages as two launches: what a persistent per-layer kernel
+  would save at each dependency;
 - `stream S MB`: every program streams its contiguous share of an S MB weight (a distinct weight per kernel, so none
   is in L2 from an earlier one) in 2 KB steps (a 4-warp GEMV program's step), one step ahead of its use, as the
   GEMVs' loop does, then the arrival round: the most any GEMV of that size can reach in the chain. At 2-3 programs per SM the
@@ -76,6 +79,46 @@ def _floor_kernel(in_ptr, out_ptr, w_ptr, ws_ptr, cnt_ptr, WORDS_PER_PROGRAM, SP
 
 
 @triton.jit
+def _fused_pair_kernel(in_ptr, mid_ptr, out_ptr, wa_ptr, wb_ptr, sync_ptr, WORDS_PER_ITEM, ITEMS,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Two dependent streaming stages in one launch, the way a persistent per-layer kernel would chain a layer's ops:
+    ITEMS items of stage A, then ITEMS of stage B, handed out in ticket order (sync_ptr[0], so every A item is held by
+    a running program before any B item is taken: no deadlock); a B item loads its first step, then waits until every
+    A item has written (sync_ptr[1] == ITEMS), as a GEMV needs its whole input vector. The last program out resets
+    the counters (sync_ptr[2]) for the next launch."""
+    wait_for_inputs(PDL)
+    t = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    if t < ITEMS:
+        base = t.to(tl.int64) * WORDS_PER_ITEM
+        offs = base + tl.arange(0, BLOCK)
+        for step in range(0, WORDS_PER_ITEM, BLOCK):
+            acc ^= tl.load(wa_ptr + offs + step, mask=offs + step < base + WORDS_PER_ITEM, other=0)
+        x = tl.load(in_ptr + t % 64)
+        tl.store(mid_ptr + t, (tl.reduce(acc, 0, _xor) ^ x) & 1)
+        arrive(sync_ptr + 1, ITEMS)  # publishes the store (barrier, then an acq_rel add)
+    else:
+        item = t - ITEMS
+        base = item.to(tl.int64) * WORDS_PER_ITEM
+        offs = base + tl.arange(0, BLOCK)
+        w_next = tl.load(wb_ptr + offs, mask=offs < base + WORDS_PER_ITEM, other=0)  # before the wait
+        done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+        while done < ITEMS:
+            done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+        x = tl.load(mid_ptr + (item * 7) % ITEMS, cache_modifier=".cg")
+        for step in range(0, WORDS_PER_ITEM, BLOCK):
+            w = w_next
+            nxt = offs + step + BLOCK
+            w_next = tl.load(wb_ptr + nxt, mask=nxt < base + WORDS_PER_ITEM, other=0)
+            acc ^= w
+        tl.store(out_ptr + item % 64, (tl.reduce(acc, 0, _xor) ^ x) & 1)
+    if arrive(sync_ptr + 2, 2 * ITEMS):
+        reset(sync_ptr)
+        reset(sync_ptr + 1)
+        reset(sync_ptr + 2)
+
+
+@triton.jit
 def _xor(a, b):
     return a ^ b
 
@@ -124,6 +167,36 @@ def main():
         row(f"empty, {sms} programs, {tag}", sms, 1, pdl=pdl)
         row(f"empty, {6 * sms} programs, {tag}", 6 * sms, 1, pdl=pdl)
         row(f"arrive, {6 * sms // SPLIT} tiles x split {SPLIT}, {tag}", 6 * sms // SPLIT, SPLIT, pdl=pdl)
+    def pair_row(name, mb, pps, pdl=True, block=512):
+        """CHAIN / 2 launches of _fused_pair_kernel: two mb-MB stages each, pps programs per SM a stage."""
+        items = pps * sms
+        words = int(mb * 2**20 / 4 / items) // block * block
+        weights = [torch.randint(-2**31, 2**31 - 1, (items * words,), dtype=torch.int32, device=dev) for _ in range(CHAIN)]
+        mid = torch.zeros(items, dtype=torch.int32, device=dev)
+        sync = torch.zeros(4, dtype=torch.int32, device=dev)
+        opts = pdl_options(dev) if pdl else {"PDL": False}
+
+        def chain():
+            for i in range(CHAIN // 2):
+                _fused_pair_kernel[(2 * items,)](bufs[i % 2], mid, bufs[(i + 1) % 2], weights[2 * i], weights[2 * i + 1],
+                                                 sync, words, items, BLOCK=block, num_warps=4, **opts)
+
+        try:
+            us = median_us(chain, rep_ms=50) / CHAIN  # per stage, comparable with the one-kernel rows
+        except Exception as exc:
+            results["rows"].append({"variant": name, "error": repr(exc)[:300]})
+            print(f"{name:52s} ERROR {repr(exc)[:150]}", flush=True)
+            return
+        nbytes = items * words * 4
+        entry = {"variant": name, "programs": 2 * items, "us_per_stage": round(us, 2), "bytes_per_stage": nbytes,
+                 "frac_copy": round(nbytes / (us * 1e-6) / 1e9 / copy, 3)}
+        results["rows"].append(entry)
+        print(f"{name:52s} {us:7.2f} us a stage  {entry['frac_copy']:.2f} of copy", flush=True)
+
+    for mb in (2, 8):  # one launch per dependent stage (no split-K: each program's share is a whole output) against
+        # two stages in one launch, the dependency met inside it
+        row(f"stream {mb} MB, 6 programs/SM, no split, pdl", 6 * sms, 1, stream_mb=mb)
+        pair_row(f"fused pair {mb} + {mb} MB, 6 programs/SM a stage, pdl", mb, 6)
     for mb in (2, 8, 32):
         for pps in (2, 3, 6):
             tiles = pps * sms // SPLIT
