@@ -59,14 +59,10 @@ def variant(name: str):
             setattr(module, attr, value)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="qwen3.5-122b-a10b")
-    ap.add_argument("--variants", required=True, help=f"comma list of: {', '.join(VARIANTS)}")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--layers", type=int, default=None)
-    args = ap.parse_args()
+def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: int | None = None,
+           device: str = "cuda", progress=print) -> dict:
+    """The comparison as a JSON-ready dict. On device "cpu" under TRITON_INTERPRET=1 (the tests' dry run on the tiny
+    shape) the kernels run in the interpreter in fp32 and nothing is captured."""
     import torch
 
     from roofline.bench.environment import environment
@@ -76,42 +72,54 @@ def main():
     from roofline.engine.graphs import DecodeGraphs
     from roofline.kernels.dispatch import install_fast_path
 
-    names = ["default"] + [v for v in args.variants.split(",") if v]
+    names = ["default"] + list(variants)
     for name in names:
         with variant(name):  # an unknown name or a renamed flag fails here, before the model is built
             pass
-    model, _ = build_synthetic_model(args.shape, resolve_layout(DEFAULT_LAYOUT, {"lm_head": "int8"}), "cuda",
-                                     layers=args.layers)
-    fast = install_fast_path(model)
+    cuda = torch.device(device).type == "cuda"
+    model, _ = build_synthetic_model(shape, resolve_layout(DEFAULT_LAYOUT, {"lm_head": "int8"}), device,
+                                     torch.bfloat16 if cuda else torch.float32, layers=layers)
+    fast = install_fast_path(model, allow_cpu=not cuda)
     pool = CachePool(model.config, model.config.layer_types, 1, 4096, model.device, model.dtype)
     cache = pool.acquire()
     fill_context(SyntheticRun(model, pool, None, cache, None), 0)
     times = {name: {"m1_graph_ms": [], "m3_graph_ms": [], "m1_step_ms": [], "m3_step_ms": []} for name in names}
-    for r in range(args.rounds):
+    for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             with variant(name):
-                graphs = DecodeGraphs(model, pool, 1, use_graphs=True)  # captured under the variant's flags
+                graphs = DecodeGraphs(model, pool, 1, use_graphs=cuda)  # captured under the variant's flags
                 run = SyntheticRun(model, pool, graphs, cache, None)
                 for m in (1, 3):
-                    step, graph = decode_ms(run, m, args.repeats, rollback=m > 1, distinct=m > 1)
+                    step, graph = decode_ms(run, m, repeats, rollback=m > 1, distinct=m > 1)
                     times[name][f"m{m}_graph_ms"].append(graph)
                     times[name][f"m{m}_step_ms"].append(step)
                 del graphs, run
-                torch.cuda.empty_cache()
+                if cuda:
+                    torch.cuda.empty_cache()
             t = times[name]
-            print(f"round {r} {name:16s} M=1 graph {t['m1_graph_ms'][-1]:.3f} ms, M=3 graph {t['m3_graph_ms'][-1]:.3f} ms",
-                  flush=True)
+            progress(f"round {r} {name:16s} M=1 graph {t['m1_graph_ms'][-1]:.3f} ms, M=3 graph {t['m3_graph_ms'][-1]:.3f} ms")
     summary = {name: {key: statistics.median(values) for key, values in t.items()} for name, t in times.items()}
-    base = summary["default"]
-    for name, s in summary.items():
+    return {"benchmark": "ab_step", "shape": shape, "layers": layers, "environment": environment(device),
+            "kernels": dict(fast.installed), "rounds": rounds, "repeats": repeats,
+            "variants": {name: VARIANTS[name][0] if name != "default" else "defaults" for name in names},
+            "median": summary, "per_round": times,
+            "note": "graph = device time of one captured step's replay; step adds its host part (inputs in, token "
+                    "read back); M = 3 is the verify step on distinct token ids with the rollback saves"}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3.5-122b-a10b")
+    ap.add_argument("--variants", required=True, help=f"comma list of: {', '.join(VARIANTS)}")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=None)
+    args = ap.parse_args()
+    result = run_ab(args.shape, [v for v in args.variants.split(",") if v], args.rounds, args.repeats, args.layers)
+    base = result["median"]["default"]
+    for name, s in result["median"].items():
         print(f"{name:16s} M=1 {s['m1_graph_ms']:.3f} ms ({s['m1_graph_ms'] - base['m1_graph_ms']:+.3f}), "
               f"M=3 {s['m3_graph_ms']:.3f} ms ({s['m3_graph_ms'] - base['m3_graph_ms']:+.3f})")
-    result = {"benchmark": "ab_step", "shape": args.shape, "layers": args.layers, "environment": environment("cuda"),
-              "kernels": dict(fast.installed), "rounds": args.rounds, "repeats": args.repeats,
-              "variants": {name: VARIANTS[name][0] if name != "default" else "defaults" for name in names},
-              "median": summary, "per_round": times,
-              "note": "graph = device time of one captured step's replay; step adds its host part (inputs in, token "
-                      "read back); M = 3 is the verify step on distinct token ids with the rollback saves"}
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "ab_step.json").write_text(json.dumps(result, indent=1))

@@ -294,3 +294,23 @@ def test_every_part_of_the_table_runs_on_the_tiny_shape_in_the_interpreter():
     report = format_report(json.loads(json.dumps(r)))  # as the command writes and reads it back
     assert "| 3 | distinct |" in report and "| 3 | repeated |" in report and "on one id" in report and "without" in report
     assert "peak GPU memory - GiB" in report
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's dry run; the device runs experiments.sh ab")
+def test_ab_step_runs_its_rounds_on_the_tiny_shape_in_the_interpreter():
+    """benchmarks/ab_step.py's comparison end to end on the tiny shape (kernels in the interpreter, nothing captured):
+    the default and each variant timed at M = 1 and M = 3 every round, the flags back to their defaults after."""
+    pytest.importorskip("triton")
+    import importlib.util
+
+    from roofline.kernels import blocks
+
+    spec = importlib.util.spec_from_file_location("ab_step", Path(__file__).parents[1] / "benchmarks/ab_step.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    before = blocks.FUSED_ROUTE_ROWS
+    r = ab.run_ab("tiny", ["router-one-launch"], rounds=1, repeats=1, device="cpu", progress=lambda _: None)
+    assert blocks.FUSED_ROUTE_ROWS == before and r["variants"]["router-one-launch"] == "ROOFLINE_ROUTER_ROWS=4"
+    for name in ("default", "router-one-launch"):
+        assert all(len(v) == 1 and v[0] > 0 for v in r["per_round"][name].values()), name
+        assert set(r["median"][name]) == {"m1_graph_ms", "m3_graph_ms", "m1_step_ms", "m3_step_ms"}
