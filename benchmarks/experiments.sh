@@ -45,11 +45,13 @@ gpu_tests() {  # time limit, pytest arguments...
 case "${1:-}" in
   first)  # session 15's changes on the GPU, then the tables
     gpu_tests 60 -m gpu tests/test_kernels.py -k "gated or grouped_dense or fp8_matmul_gpu or residual_and_norm or one_buffer"
-    gpu_tests 40 tests/test_small_ops.py -k "activation_in_the_down or router_gemv"  # unmarked tests: no -m gpu
+    gpu_tests 40 tests/test_small_ops.py -k "activation_in_the_down or router_gemv or three_and_four"  # unmarked: no -m gpu
     gpu_tests 30 tests/test_sampling.py  # the candidates path on CUDA, and no host sync in it
     gpu_tests 90 -m gpu tests/test_pooled_decode.py -k cuda_graph_greedy  # graph tokens = reference, MTP-2 too
+    # one 256K context on a card with the memory for it (the H200: 74.5 GiB peak); 128K on an 80 GB H100
+    cap=$(python3 -c "import torch; print('256K' if torch.cuda.get_device_properties(0).total_memory > 100e9 else '128K')")
     timeout 260 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
-      --engine-tokens 256 --batch-decode 0 --profile --out "$OUT/$day-synthetic-qwen3.5-122b-a10b.json" 2>&1 \
+      --capacity "$cap" --engine-tokens 256 --batch-decode 0 --profile --out "$OUT/$day-synthetic-qwen3.5-122b-a10b.json" 2>&1 \
       | tee "$OUT/synthetic-122b.log" | grep -v "^| _\|^| void" | tail -70
     ;;
   shapes)  # the 35B-A3B and 27B rows (decode at 0 / 8K / 32K, M rows), ~2 min
