@@ -3,6 +3,8 @@
 # device call:
 #   OUT=... bash benchmarks/experiments.sh first    # GPU tests of what sessions 14-15 wrote, then the 122B table
 #                                                   # with distinct-id verify rows, prefill and the engine loop (~8 min)
+#   OUT=... bash benchmarks/experiments.sh quick    # when device time is short: the new defaults' GPU tests, the 122B
+#                                                   # table at 0 / 32K, the A/B (~9 min)
 #   OUT=... bash benchmarks/experiments.sh shapes   # the 35B-A3B and 27B rows (~2 min)
 #   OUT=... bash benchmarks/experiments.sh tests    # the pooled-decode / fast-path / generate-CLI GPU files (~5 min)
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
@@ -37,6 +39,9 @@ synthetic() {  # name, time limit, extra flags...: the 122B at context 0, 10 rep
   timeout "$limit" python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --contexts 0 --repeats 10 "$@" \
     --out "$OUT/$day-synthetic-qwen3.5-122b-a10b-$name.json" 2>&1 | tee "$OUT/synthetic-$name.log" | tail -30
 }
+capacity() {  # one 256K context on a card with the memory for it (the H200: 74.5 GiB peak); 128K on an 80 GB H100
+  python3 -c "import torch; print('256K' if torch.cuda.get_device_properties(0).total_memory > 100e9 else '128K')"
+}
 gpu_tests() {  # time limit, pytest arguments...
   local limit=$1
   shift
@@ -48,11 +53,19 @@ case "${1:-}" in
     gpu_tests 40 tests/test_small_ops.py -k "activation_in_the_down or router_gemv or three_and_four"  # unmarked: no -m gpu
     gpu_tests 30 tests/test_sampling.py  # the candidates path on CUDA, and no host sync in it
     gpu_tests 90 -m gpu tests/test_pooled_decode.py -k cuda_graph_greedy  # graph tokens = reference, MTP-2 too
-    # one 256K context on a card with the memory for it (the H200: 74.5 GiB peak); 128K on an 80 GB H100
-    cap=$(python3 -c "import torch; print('256K' if torch.cuda.get_device_properties(0).total_memory > 100e9 else '128K')")
     timeout 260 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
-      --capacity "$cap" --engine-tokens 256 --batch-decode 0 --profile --out "$OUT/$day-synthetic-qwen3.5-122b-a10b.json" 2>&1 \
+      --capacity "$(capacity)" --engine-tokens 256 --batch-decode 0 --profile --out "$OUT/$day-synthetic-qwen3.5-122b-a10b.json" 2>&1 \
       | tee "$OUT/synthetic-122b.log" | grep -v "^| _\|^| void" | tail -70
+    ;;
+  quick)  # one call when device time is short (~9 min): the session-16 defaults' GPU tests, the 122B table at 0 / 32K
+    # (M rows on distinct ids; no prefill, engine loop or profile), then the A/B of the launch-time switches
+    gpu_tests 60 -m gpu tests/test_kernels.py -k "gated or fp8_matmul_gpu or one_buffer"
+    gpu_tests 30 tests/test_small_ops.py -k "router_gemv or three_and_four"
+    timeout 150 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --contexts 0,32K \
+      --capacity "$(capacity)" --prefill 0 --engine-tokens 0 --batch-decode 0 \
+      --out "$OUT/$day-synthetic-qwen3.5-122b-a10b-quick.json" 2>&1 | tee "$OUT/synthetic-quick.log" | tail -40
+    timeout 290 python3 benchmarks/ab_step.py --variants depth-one-row,fp8-8x128,silu-mul-launch,ba-in-kernel,router-one-launch \
+      --rounds 2 2>&1 | tail -20
     ;;
   shapes)  # the 35B-A3B and 27B rows (decode at 0 / 8K / 32K, M rows), ~2 min
     for shape in qwen3.5-35b-a3b qwen3.5-27b; do
@@ -84,7 +97,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|shapes|tests|kernels|attn|floor|ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|quick|shapes|tests|kernels|attn|floor|ab|ab-order" >&2
     exit 2
     ;;
 esac
