@@ -43,6 +43,20 @@ SPLIT = 8  # K splits per column tile in the arrive / stream rows, as the GEMVs'
 
 
 @triton.jit
+def _stream_share(w_ptr, offs, end, w_first, WORDS, BLOCK: tl.constexpr):
+    """xor of the words [offs[0], end) in BLOCK-word steps, each step's load issued one step ahead of its use, as the
+    GEMVs' loop does; w_first is the first step, loaded by the caller (before its wait)."""
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    w_next = w_first
+    for step in range(0, WORDS, BLOCK):
+        w = w_next
+        nxt = offs + step + BLOCK
+        w_next = tl.load(w_ptr + nxt, mask=nxt < end, other=0)
+        acc ^= w
+    return acc
+
+
+@triton.jit
 def _floor_kernel(in_ptr, out_ptr, w_ptr, ws_ptr, cnt_ptr, WORDS_PER_PROGRAM, SPLIT_K, BLOCK: tl.constexpr,
                   STREAM: tl.constexpr, ARRIVE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     tile = tl.program_id(0)
@@ -61,11 +75,7 @@ def _floor_kernel(in_ptr, out_ptr, w_ptr, ws_ptr, cnt_ptr, WORDS_PER_PROGRAM, SP
     wait_for_inputs(PDL)
     x = tl.load(in_ptr + tile)  # the previous kernel's output
     if STREAM:
-        for step in range(0, WORDS_PER_PROGRAM, BLOCK):
-            w = w_next
-            nxt = offs + step + BLOCK
-            w_next = tl.load(w_ptr + nxt, mask=nxt < end, other=0)
-            acc ^= w
+        acc = _stream_share(w_ptr, offs, end, w_next, WORDS_PER_PROGRAM, BLOCK)
     total = tl.reduce(acc, 0, _xor) ^ x
     if ARRIVE:
         tl.store(ws_ptr + split * tl.num_programs(0) + tile, (total & 1).to(tl.float32))
@@ -88,29 +98,22 @@ def _fused_pair_kernel(in_ptr, mid_ptr, out_ptr, wa_ptr, wb_ptr, sync_ptr, WORDS
     the counters (sync_ptr[2]) for the next launch."""
     wait_for_inputs(PDL)
     t = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    item = t % ITEMS
+    base = item.to(tl.int64) * WORDS_PER_ITEM
+    end = base + WORDS_PER_ITEM
+    offs = base + tl.arange(0, BLOCK)
     if t < ITEMS:
-        base = t.to(tl.int64) * WORDS_PER_ITEM
-        offs = base + tl.arange(0, BLOCK)
-        for step in range(0, WORDS_PER_ITEM, BLOCK):
-            acc ^= tl.load(wa_ptr + offs + step, mask=offs + step < base + WORDS_PER_ITEM, other=0)
-        x = tl.load(in_ptr + t % 64)
-        tl.store(mid_ptr + t, (tl.reduce(acc, 0, _xor) ^ x) & 1)
+        acc = _stream_share(wa_ptr, offs, end, tl.load(wa_ptr + offs, mask=offs < end, other=0), WORDS_PER_ITEM, BLOCK)
+        x = tl.load(in_ptr + item % 64)
+        tl.store(mid_ptr + item, (tl.reduce(acc, 0, _xor) ^ x) & 1)
         arrive(sync_ptr + 1, ITEMS)  # publishes the store (barrier, then an acq_rel add)
     else:
-        item = t - ITEMS
-        base = item.to(tl.int64) * WORDS_PER_ITEM
-        offs = base + tl.arange(0, BLOCK)
-        w_next = tl.load(wb_ptr + offs, mask=offs < base + WORDS_PER_ITEM, other=0)  # before the wait
+        w_first = tl.load(wb_ptr + offs, mask=offs < end, other=0)  # before the wait
         done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
         while done < ITEMS:
             done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
         x = tl.load(mid_ptr + (item * 7) % ITEMS, cache_modifier=".cg")
-        for step in range(0, WORDS_PER_ITEM, BLOCK):
-            w = w_next
-            nxt = offs + step + BLOCK
-            w_next = tl.load(wb_ptr + nxt, mask=nxt < base + WORDS_PER_ITEM, other=0)
-            acc ^= w
+        acc = _stream_share(wb_ptr, offs, end, w_first, WORDS_PER_ITEM, BLOCK)
         tl.store(out_ptr + item % 64, (tl.reduce(acc, 0, _xor) ^ x) & 1)
     if arrive(sync_ptr + 2, 2 * ITEMS):
         reset(sync_ptr)
@@ -131,14 +134,30 @@ def main():
     bufs = [torch.zeros(64 * sms, dtype=torch.int32, device=dev) for _ in range(2)]
     cnt = torch.zeros(64 * sms, dtype=torch.int32, device=dev)
 
+    def weights_of(mb, programs, block):
+        """(words a program, CHAIN distinct weights of about mb MB: none is in L2 from an earlier kernel)."""
+        words = int(mb * 2**20 / 4 / programs) // block * block
+        return words, [torch.randint(-2**31, 2**31 - 1, (programs * words,), dtype=torch.int32, device=dev)
+                       for _ in range(CHAIN)]
+
+    def measure(name, chain, per, programs, nbytes=0):
+        """Time `chain` (CHAIN kernels' or stages' worth) and record its row: microseconds `per` kernel or stage."""
+        try:
+            us = median_us(chain, rep_ms=50) / CHAIN
+        except Exception as exc:  # a variant that does not compile or run is a result too
+            results["rows"].append({"variant": name, "error": repr(exc)[:300]})
+            print(f"{name:52s} ERROR {repr(exc)[:150]}", flush=True)
+            return
+        entry = {"variant": name, "programs": programs, f"us_per_{per}": round(us, 2)}
+        if nbytes:
+            entry.update(bytes=nbytes, frac_copy=round(nbytes / (us * 1e-6) / 1e9 / copy, 3))
+        results["rows"].append(entry)
+        print(f"{name:52s} {us:7.2f} us a {per}" + (f"  {entry['frac_copy']:.2f} of copy" if nbytes else ""), flush=True)
+
     def row(name, tiles, split, stream_mb=0.0, pdl=True, prefetch=False, block=512, warps=4):
+        """CHAIN launches of _floor_kernel on a (tiles, split) grid."""
         programs = tiles * split
-        words = 0
-        weights = [None]
-        if stream_mb:
-            words = int(stream_mb * 2**20 / 4 / programs) // block * block
-            weights = [torch.randint(-2**31, 2**31 - 1, (programs * words,), dtype=torch.int32, device=dev)
-                       for _ in range(CHAIN)]  # 48 distinct weights: none is in L2 from an earlier kernel
+        words, weights = weights_of(stream_mb, programs, block) if stream_mb else (0, [None])
         ws = torch.zeros(split * tiles, dtype=torch.float32, device=dev)
         opts = pdl_options(dev) if pdl else {"PDL": False}
 
@@ -149,29 +168,12 @@ def main():
                                               words, split, BLOCK=block, STREAM=bool(stream_mb), ARRIVE=split > 1,
                                               PREFETCH=prefetch, num_warps=warps, **opts)
 
-        try:
-            us = median_us(chain, rep_ms=50) / CHAIN
-        except Exception as exc:  # a variant that does not compile or run is a result too
-            results["rows"].append({"variant": name, "error": repr(exc)[:300]})
-            print(f"{name:52s} ERROR {repr(exc)[:150]}", flush=True)
-            return
-        entry = {"variant": name, "programs": programs, "us_per_kernel": round(us, 2)}
-        if stream_mb:
-            nbytes = programs * words * 4
-            entry.update(bytes=nbytes, frac_copy=round(nbytes / (us * 1e-6) / 1e9 / copy, 3))
-        results["rows"].append(entry)
-        print(f"{name:52s} {us:7.2f} us" + (f"  {entry['frac_copy']:.2f} of copy" if stream_mb else ""), flush=True)
+        measure(name, chain, "kernel", programs, programs * words * 4)
 
-    for pdl in (True, False):
-        tag = "pdl" if pdl else "no pdl"
-        row(f"empty, {sms} programs, {tag}", sms, 1, pdl=pdl)
-        row(f"empty, {6 * sms} programs, {tag}", 6 * sms, 1, pdl=pdl)
-        row(f"arrive, {6 * sms // SPLIT} tiles x split {SPLIT}, {tag}", 6 * sms // SPLIT, SPLIT, pdl=pdl)
     def pair_row(name, mb, pps, pdl=True, block=512):
         """CHAIN / 2 launches of _fused_pair_kernel: two mb-MB stages each, pps programs per SM a stage."""
         items = pps * sms
-        words = int(mb * 2**20 / 4 / items) // block * block
-        weights = [torch.randint(-2**31, 2**31 - 1, (items * words,), dtype=torch.int32, device=dev) for _ in range(CHAIN)]
+        words, weights = weights_of(mb, items, block)
         mid = torch.zeros(items, dtype=torch.int32, device=dev)
         sync = torch.zeros(4, dtype=torch.int32, device=dev)
         opts = pdl_options(dev) if pdl else {"PDL": False}
@@ -181,18 +183,13 @@ def main():
                 _fused_pair_kernel[(2 * items,)](bufs[i % 2], mid, bufs[(i + 1) % 2], weights[2 * i], weights[2 * i + 1],
                                                  sync, words, items, BLOCK=block, num_warps=4, **opts)
 
-        try:
-            us = median_us(chain, rep_ms=50) / CHAIN  # per stage, comparable with the one-kernel rows
-        except Exception as exc:
-            results["rows"].append({"variant": name, "error": repr(exc)[:300]})
-            print(f"{name:52s} ERROR {repr(exc)[:150]}", flush=True)
-            return
-        nbytes = items * words * 4
-        entry = {"variant": name, "programs": 2 * items, "us_per_stage": round(us, 2), "bytes_per_stage": nbytes,
-                 "frac_copy": round(nbytes / (us * 1e-6) / 1e9 / copy, 3)}
-        results["rows"].append(entry)
-        print(f"{name:52s} {us:7.2f} us a stage  {entry['frac_copy']:.2f} of copy", flush=True)
+        measure(name, chain, "stage", 2 * items, items * words * 4)  # per stage: comparable with one kernel's row
 
+    for pdl in (True, False):
+        tag = "pdl" if pdl else "no pdl"
+        row(f"empty, {sms} programs, {tag}", sms, 1, pdl=pdl)
+        row(f"empty, {6 * sms} programs, {tag}", 6 * sms, 1, pdl=pdl)
+        row(f"arrive, {6 * sms // SPLIT} tiles x split {SPLIT}, {tag}", 6 * sms // SPLIT, SPLIT, pdl=pdl)
     for mb in (2, 8):  # one launch per dependent stage (no split-K: each program's share is a whole output) against
         # two stages in one launch, the dependency met inside it
         row(f"stream {mb} MB, 6 programs/SM, no split, pdl", 6 * sms, 1, stream_mb=mb)
