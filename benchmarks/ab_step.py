@@ -77,8 +77,7 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
         with variant(name):  # an unknown name or a renamed flag fails here, before the model is built
             pass
     cuda = torch.device(device).type == "cuda"
-    model, _ = build_synthetic_model(shape, resolve_layout(DEFAULT_LAYOUT, {"lm_head": "int8"}), device,
-                                     torch.bfloat16 if cuda else torch.float32, layers=layers)
+    model, _ = build_synthetic_model(shape, resolve_layout(DEFAULT_LAYOUT, {"lm_head": "int8"}), device, layers=layers)
     fast = install_fast_path(model, allow_cpu=not cuda)
     pool = CachePool(model.config, model.config.layer_types, 1, 4096, model.device, model.dtype)
     cache = pool.acquire()

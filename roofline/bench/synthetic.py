@@ -56,9 +56,12 @@ log = logging.getLogger("roofline.bench")
 DEFAULT_LAYOUT = "hybrid"
 
 
-def build_synthetic_model(shape: str, formats: dict[str, str], device, dtype=torch.bfloat16, layers: int | None = None,
+def build_synthetic_model(shape: str, formats: dict[str, str], device, dtype=None, layers: int | None = None,
                           seed: int = 0):
-    """The model of `shape` with every weight in its `formats` storage, filled with random values on `device`."""
+    """The model of `shape` with every weight in its `formats` storage, filled with random values on `device`; in
+    `dtype`, by default bf16 on CUDA and fp32 elsewhere (the kernels' CPU dry runs: the interpreter gets bf16 wrong)."""
+    if dtype is None:
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     cfg = ModelConfig.from_dict(shape_config(shape, layers), source=f"shape {shape}")
     model, _, report = plan_model(cfg, layout_tensors(cfg, formats), device, dtype)
     with torch.no_grad():
@@ -473,7 +476,7 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     copy_bw = measure_copy_bandwidth(device)
     progress(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
     start = time.perf_counter()
-    model, _ = build_synthetic_model(shape, formats, device, torch.bfloat16 if cuda else torch.float32, layers=layers)
+    model, _ = build_synthetic_model(shape, formats, device, layers=layers)
     cfg = model.config
     result["layout"] = describe_layout(formats, cfg)
     progress(f"built {shape} ({result['layout']}) with random weights in {time.perf_counter() - start:.1f} s")
