@@ -234,16 +234,23 @@ def test_the_command_writes_what_was_measured_and_exits_non_zero_when_a_part_fai
     assert "bench synthetic: prefill failed" in capsys.readouterr().err
 
 
-def test_ab_step_variants_switch_the_flags_the_kernels_read_and_put_them_back():
-    """benchmarks/ab_step.py times several switches in one process by setting the module flags each mirrors: every
-    variant must name a flag the code still has (a rename would otherwise measure the default twice), and the
-    defaults must come back after each, also when the timed block fails."""
-    import importlib
+def _ab_step():
+    """benchmarks/ab_step.py as a module (benchmarks/ is no package)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ab_step", Path(__file__).parents[1] / "benchmarks/ab_step.py")
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
+    return ab
+
+
+def test_ab_step_variants_switch_the_flags_the_kernels_read_and_put_them_back():
+    """benchmarks/ab_step.py times several switches in one process by setting the module flags each mirrors: every
+    variant must name a flag the code still has (a rename would otherwise measure the default twice), and the
+    defaults must come back after each, also when the timed block fails."""
+    import importlib
+
+    ab = _ab_step()
     for name, (switch, flags) in ab.VARIANTS.items():
         modules = [importlib.import_module(m) for m, _, _ in flags]
         before = [getattr(mod, attr) for mod, (_, attr, _) in zip(modules, flags)]
@@ -301,13 +308,9 @@ def test_ab_step_runs_its_rounds_on_the_tiny_shape_in_the_interpreter():
     """benchmarks/ab_step.py's comparison end to end on the tiny shape (kernels in the interpreter, nothing captured):
     the default and each variant timed at M = 1 and M = 3 every round, the flags back to their defaults after."""
     pytest.importorskip("triton")
-    import importlib.util
-
     from roofline.kernels import blocks
 
-    spec = importlib.util.spec_from_file_location("ab_step", Path(__file__).parents[1] / "benchmarks/ab_step.py")
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = _ab_step()
     before = blocks.FUSED_ROUTE_ROWS
     r = ab.run_ab("tiny", ["router-one-launch"], rounds=1, repeats=1, device="cpu", progress=lambda _: None)
     assert blocks.FUSED_ROUTE_ROWS == before and r["variants"]["router-one-launch"] == "ROOFLINE_ROUTER_ROWS=4"
