@@ -736,10 +736,8 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     """
     import re
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from .int4_experts import _down_tc_kernel, _gate_up_tc_kernel
+    from .targets import compile_offline
 
     def layouts(ir):
         defs = dict(re.findall(r"^(#blocked\d*) = (#ttg.blocked<\{.*?\}>)", ir, re.M))
@@ -754,7 +752,6 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
                 and ("sizePerThread = [1, 4]" in lay or "sizePerThread = [1, 1]" in lay))
 
     problems = []
-    target = GPUTarget("cuda", target_arch, 32)
     gemv_sig = {"x32_ptr": "*i32", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
                 "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K2": "i32", "GROUPS": "i32", "GPS": "i32", "WN": "constexpr",
                 "KW": "constexpr", "SYM": "constexpr", "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr",
@@ -784,13 +781,8 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
         if case[0] == "down":
             case[3].update(SHARED=True, RESIDUAL=True)
     for name, fn, sig, consts in cases:
-        order = list(fn.arg_names)
-        sig = {a: sig[a] for a in order}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(order)
-                 if sig[a].startswith("*") or a in ("N", "K2", "I", "I2", "H", "QW_E", "QZ_E", "SC_E")}
-        warps = consts["WN"] * consts["KW"]
-        compiled = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target,
-                                  options={"num_warps": warps, "num_stages": 1})
+        aligned = {a for a in sig if sig[a].startswith("*") or a in ("N", "K2", "I", "I2", "H", "QW_E", "QZ_E", "SC_E")}
+        compiled = compile_offline(fn, sig, consts, aligned, target_arch, consts["WN"] * consts["KW"])
         found = layouts(compiled.asm["ttgir"])
         problems += pdl_problems(name, compiled.asm["ptx"], prefetch=name.startswith("gemv") or name == "down")
         if not found:

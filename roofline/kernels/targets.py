@@ -75,23 +75,30 @@ def _cases():
     return cases
 
 
-def check_targets(archs=(90, 121)) -> list[str]:
-    """Compile every case for each sm_`arch`; a line per kernel that fails or overflows the target's shared memory."""
+def compile_offline(fn, signature: dict, constexprs: dict, aligned, arch: int, num_warps: int, num_stages: int = 1):
+    """`fn` compiled for sm_`arch` with no GPU: `signature` gives every argument's type ("constexpr" for those in
+    `constexprs`), `aligned` the arguments the JIT would mark as multiples of 16 (pointers from torch; integers that are,
+    in practice)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    signature = {a: signature[a] for a in fn.arg_names}
+    marks = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in aligned}
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=marks),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def check_targets(archs=(90, 121)) -> list[str]:
+    """Compile every case for each sm_`arch`; a line per kernel that fails or overflows the target's shared memory."""
     problems = []
     for arch in archs:
         for name, fn, consts, pointers, floats, warps, stages in _cases():
             sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a in floats else "i32")
                    for a in fn.arg_names}
-            aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                       if a not in consts and a not in floats and a not in NOT_DIV16}
+            aligned = {a for a in fn.arg_names if a not in consts and a not in floats and a not in NOT_DIV16}
             try:
-                kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned),
-                                        target=GPUTarget("cuda", arch, 32),
-                                        options={"num_warps": warps, "num_stages": stages})
+                kernel = compile_offline(fn, sig, consts, aligned, arch, warps, stages)
             except Exception as exc:  # a compile failure is what this check reports
                 problems.append(f"sm_{arch} {name}: does not compile: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
