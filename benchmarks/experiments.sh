@@ -5,6 +5,8 @@
 #                                                   # with distinct-id verify rows, prefill and the engine loop (~8 min)
 #   OUT=... bash benchmarks/experiments.sh quick    # when device time is short: the new defaults' GPU tests, the 122B
 #                                                   # table at 0 / 32K, the A/B (~9 min)
+#   OUT=... bash benchmarks/experiments.sh one      # one machine start's worth: the GPU tests, 122B at 0 / 32K, the
+#                                                   # floor, three A/B variants (~9.5 min)
 #   OUT=... bash benchmarks/experiments.sh shapes   # the 35B-A3B and 27B rows (~2 min)
 #   OUT=... bash benchmarks/experiments.sh tests    # the pooled-decode / fast-path / generate-CLI GPU files (~5 min)
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
@@ -67,6 +69,15 @@ case "${1:-}" in
     timeout 290 python3 benchmarks/ab_step.py --variants depth-one-row,fp8-8x128,silu-mul-launch,ba-in-kernel,router-one-launch \
       --rounds 2 2>&1 | tail -20
     ;;
+  one)  # when only one machine start fits the budget (~9.5 min): the new defaults' GPU tests, the 122B at 0 / 32K,
+    # the kernel floor, then the three A/B variants with predicted wins
+    gpu_tests 50 -m gpu tests/test_kernels.py -k "gated or fp8_matmul_gpu or one_buffer"
+    timeout 150 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --contexts 0,32K \
+      --capacity "$(capacity)" --prefill 0 --engine-tokens 0 --batch-decode 0 \
+      --out "$OUT/$day-synthetic-qwen3.5-122b-a10b-quick.json" 2>&1 | tee "$OUT/synthetic-quick.log" | tail -40
+    timeout 120 python3 benchmarks/kernel_floor.py 2>&1 | tail -40
+    timeout 230 python3 benchmarks/ab_step.py --variants depth-one-row,fp8-8x128,router-one-launch --rounds 2 2>&1 | tail -20
+    ;;
   shapes)  # the 35B-A3B and 27B rows (decode at 0 / 8K / 32K, M rows), ~2 min
     for shape in qwen3.5-35b-a3b qwen3.5-27b; do
       timeout 55 python3 -m roofline.cli bench synthetic --shape $shape --repeats 10 --prefill 0 --engine-tokens 0 \
@@ -97,7 +108,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|quick|shapes|tests|kernels|attn|floor|ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|quick|one|shapes|tests|kernels|attn|floor|ab|ab-order" >&2
     exit 2
     ;;
 esac
