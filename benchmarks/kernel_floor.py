@@ -11,7 +11,8 @@ CUDA graph, with and without programmatic dependent launch (the project's `wait_
 
 - `empty`: every program waits, reads one word of the previous kernel's output, writes one: launch + hand-off;
 - `arrive`: `empty` plus the split-K reduction the GEMVs run (a partial each, `_common.arrive`, the last program of
-  each column tile sums its tile's partials): what one arrival round adds;
+  each column tile sums its tile's partials): what one arrival round adds; `atomic add`: the same splits each add
+  into the output with one relaxed atomic instead (what a GEMV whose consumer reads fp32 sums could do);
 - `fused pair`: two `stream` stages in one launch, the second's items waiting inside the kernel for all of the first's
   (ticket order, a spin on a counter), against the same stages as two launches: what a persistent per-layer kernel
   would save at each dependency;
@@ -58,7 +59,8 @@ def _stream_share(w_ptr, offs, end, w_first, WORDS, BLOCK: tl.constexpr):
 
 @triton.jit
 def _floor_kernel(in_ptr, out_ptr, w_ptr, ws_ptr, cnt_ptr, WORDS_PER_PROGRAM, SPLIT_K, BLOCK: tl.constexpr,
-                  STREAM: tl.constexpr, ARRIVE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                  STREAM: tl.constexpr, ARRIVE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                  ATOMIC: tl.constexpr = False):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     pid = tile * SPLIT_K + split
@@ -77,7 +79,9 @@ def _floor_kernel(in_ptr, out_ptr, w_ptr, ws_ptr, cnt_ptr, WORDS_PER_PROGRAM, SP
     if STREAM:
         acc = _stream_share(w_ptr, offs, end, w_next, WORDS_PER_PROGRAM, BLOCK)
     total = tl.reduce(acc, 0, _xor) ^ x
-    if ARRIVE:
+    if ATOMIC:  # the split-K sum as one relaxed atomic add per program into the output: no arrival round
+        tl.atomic_add(out_ptr + tile, total & 1, sem="relaxed", scope="gpu")
+    elif ARRIVE:
         tl.store(ws_ptr + split * tl.num_programs(0) + tile, (total & 1).to(tl.float32))
         if arrive(cnt_ptr + tile, SPLIT_K):
             s = tl.arange(0, 1)
@@ -154,8 +158,9 @@ def main():
         results["rows"].append(entry)
         print(f"{name:52s} {us:7.2f} us a {per}" + (f"  {entry['frac_copy']:.2f} of copy" if nbytes else ""), flush=True)
 
-    def row(name, tiles, split, stream_mb=0.0, pdl=True, prefetch=False, block=512, warps=4):
-        """CHAIN launches of _floor_kernel on a (tiles, split) grid."""
+    def row(name, tiles, split, stream_mb=0.0, pdl=True, prefetch=False, block=512, warps=4, atomic=False):
+        """CHAIN launches of _floor_kernel on a (tiles, split) grid (`atomic`: the splits add into the output
+        instead of an arrival round)."""
         programs = tiles * split
         words, weights = weights_of(stream_mb, programs, block) if stream_mb else (0, [None])
         ws = torch.zeros(split * tiles, dtype=torch.float32, device=dev)
@@ -166,7 +171,7 @@ def main():
                 w = weights[i % len(weights)]
                 _floor_kernel[(tiles, split)](bufs[i % 2], bufs[(i + 1) % 2], w if w is not None else ws, ws, cnt,
                                               words, split, BLOCK=block, STREAM=bool(stream_mb), ARRIVE=split > 1,
-                                              PREFETCH=prefetch, num_warps=warps, **opts)
+                                              PREFETCH=prefetch, ATOMIC=atomic, num_warps=warps, **opts)
 
         measure(name, chain, "kernel", programs, programs * words * 4)
 
@@ -190,6 +195,7 @@ def main():
         row(f"empty, {sms} programs, {tag}", sms, 1, pdl=pdl)
         row(f"empty, {6 * sms} programs, {tag}", 6 * sms, 1, pdl=pdl)
         row(f"arrive, {6 * sms // SPLIT} tiles x split {SPLIT}, {tag}", 6 * sms // SPLIT, SPLIT, pdl=pdl)
+        row(f"atomic add, {6 * sms // SPLIT} tiles x split {SPLIT}, {tag}", 6 * sms // SPLIT, SPLIT, pdl=pdl, atomic=True)
     for mb in (2, 8):  # one launch per dependent stage (no split-K: each program's share is a whole output) against
         # two stages in one launch, the dependency met inside it
         row(f"stream {mb} MB, 6 programs/SM, no split, pdl", 6 * sms, 1, stream_mb=mb)
@@ -199,6 +205,7 @@ def main():
             tiles = pps * sms // SPLIT
             row(f"stream {mb} MB, {pps} programs/SM, pdl", tiles, SPLIT, stream_mb=mb)
             row(f"stream {mb} MB, {pps} programs/SM, pdl, prefetch", tiles, SPLIT, stream_mb=mb, prefetch=True)
+        row(f"stream {mb} MB, 6 programs/SM, pdl, atomic add", 6 * sms // SPLIT, SPLIT, stream_mb=mb, atomic=True)
         row(f"stream {mb} MB, 6 programs/SM, no pdl", 6 * sms // SPLIT, SPLIT, stream_mb=mb, pdl=False)
     out = Path(os.environ.get("OUT", "benchmarks/results")) / "kernel_floor.json"
     out.write_text(json.dumps(results, indent=1))
