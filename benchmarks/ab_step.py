@@ -1,6 +1,6 @@
 """Experiment: several A/B comparisons of the decode step in one process, on one synthetic model built once.
 
-    PYTHONPATH=$PWD python benchmarks/ab_step.py --variants depth-one-row,fp8-8x128 [--shape qwen3.5-122b-a10b]
+    PYTHONPATH=$PWD python benchmarks/ab_step.py --variants depth-one-row,router-two-rows [--shape qwen3.5-122b-a10b]
         [--rounds 3] [--repeats 20]            (CUDA; JSON to $OUT/ab_step.json, else benchmarks/results/)
 
 Why: each `experiments.sh ab*` phase runs `bench synthetic` four times, and each run builds the 122B's random weights
@@ -27,10 +27,9 @@ from pathlib import Path
 VARIANTS = {
     "depth-one-row": ("ROOFLINE_INT4_DEPTH=one-row", [("roofline.kernels.int4_tc", "WIDE_TILES", None)]),
     "depth-2": ("ROOFLINE_INT4_DEPTH=2", [("roofline.kernels.int4_tc", "INT4_DEPTH", 2)]),
-    "fp8-8x128": ("ROOFLINE_FP8_WIDE_TILES=0", [("roofline.kernels.fp8_gemv", "FP8_WIDE_TILES", False)]),
-    "silu-mul-launch": ("ROOFLINE_SILU_IN_DOWN=0", [("roofline.kernels.blocks", "SILU_IN_DOWN", False)]),
-    "ba-in-kernel": ("ROOFLINE_GDN_BA_IN_KERNEL=1", [("roofline.kernels.mixers", "GDN_BA_IN_KERNEL", True)]),
-    "router-one-launch": ("ROOFLINE_ROUTER_ROWS=4", [("roofline.kernels.blocks", "FUSED_ROUTE_ROWS", 4)]),
+    "router-two-rows": ("ROOFLINE_ROUTER_ROWS=2", [("roofline.kernels.blocks", "FUSED_ROUTE_ROWS", 2)]),
+    "no-split-4": ("ROOFLINE_INT4_NO_SPLIT=4", [("roofline.kernels.int4_tc", "NO_SPLIT_WARPS", 4)]),
+    "no-split-8": ("ROOFLINE_INT4_NO_SPLIT=8", [("roofline.kernels.int4_tc", "NO_SPLIT_WARPS", 8)]),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),

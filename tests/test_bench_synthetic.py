@@ -312,8 +312,8 @@ def test_ab_step_runs_its_rounds_on_the_tiny_shape_in_the_interpreter():
 
     ab = _ab_step()
     before = blocks.FUSED_ROUTE_ROWS
-    r = ab.run_ab("tiny", ["router-one-launch"], rounds=1, repeats=1, device="cpu", progress=lambda _: None)
-    assert blocks.FUSED_ROUTE_ROWS == before and r["variants"]["router-one-launch"] == "ROOFLINE_ROUTER_ROWS=4"
-    for name in ("default", "router-one-launch"):
+    r = ab.run_ab("tiny", ["router-two-rows"], rounds=1, repeats=1, device="cpu", progress=lambda _: None)
+    assert blocks.FUSED_ROUTE_ROWS == before and r["variants"]["router-two-rows"] == "ROOFLINE_ROUTER_ROWS=2"
+    for name in ("default", "router-two-rows"):
         assert all(len(v) == 1 and v[0] > 0 for v in r["per_round"][name].values()), name
         assert set(r["median"][name]) == {"m1_graph_ms", "m3_graph_ms", "m1_step_ms", "m3_step_ms"}

@@ -126,6 +126,7 @@ def test_int4_matmul_interpreter(m, n, k, group, sym, config):
     (2, 64, 768, False, {"tc": True, "KW": 1, "SPLIT_K": 1}),   # 6 steps in one program: the loop runs 3 times
     (3, 64, 640, False, {"tc": True, "KW": 1, "SPLIT_K": 2, "depth": 1}),  # one-buffer loop, 3 and 2 steps a split
     (1, 64, 512, True, {"tc": True, "KW": 2, "depth": 1}),      # one-buffer loop, two warp rows
+    (1, 96, 1024, False, {"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 1, "depth": 1}),  # ROOFLINE_INT4_NO_SPLIT=4
 ])
 def test_int4_tc_interpreter(m, n, k, sym, config):
     """The tensor-core path (int4_tc) with its per-thread asm emulated in plain Triton: loads, column map, split K."""
@@ -326,6 +327,7 @@ def test_experts_down_adds_shared_and_residual_interpreter(t, config):
     (1, {"tc": True}),
     (3, {"tc": True, "SPLIT_K": 2}),   # shared experts among tokens, split K
     (3, {"tc": True, "SPLIT_K": 2, "depth": 1}),  # the one-buffer loop
+    (1, {"tc": True, "WN": 1, "KW": 2, "SPLIT_K": 1, "depth": 1}),  # ROOFLINE_INT4_NO_SPLIT=2
 ])
 def test_experts_tc_interpreter(t, config):
     """The grouped experts on the int4_tc path (group 128, fp16), asm emulated."""
@@ -352,6 +354,32 @@ def test_wide_gemvs_of_several_rows_take_the_one_buffer_loop(monkeypatch):
     assert int4_tc.one_buffer_loop(1) and not int4_tc.one_buffer_loop(3)  # the experts pass no width
     monkeypatch.setattr(int4_tc, "WIDE_TILES", None)  # ROOFLINE_INT4_DEPTH=one-row
     assert "depth" not in int4_tc.default_tc_config(3, 20480, 3072) and int4_tc.one_buffer_loop(1)
+
+
+def test_no_split_config_is_asked_for_and_reaches_the_wide_one_row_calls(monkeypatch):
+    """ROOFLINE_INT4_NO_SPLIT=KW (an experiment): one-row GEMVs of >= 8192 columns and the experts' gate_up at one
+    token run one program per 32 columns over the whole K, KW warps splitting K; out_proj-sized GEMVs and several
+    rows keep their configs; off (0) by default."""
+    from roofline.kernels import int4_experts, int4_tc
+
+    assert int4_tc.NO_SPLIT_WARPS == 0 and int4_tc.no_split_config(1, 20480) is None
+    monkeypatch.setattr(int4_tc, "INTERPRET", False)
+    monkeypatch.setattr(int4_experts, "INTERPRET", False)
+    monkeypatch.setattr(int4_tc, "NO_SPLIT_WARPS", 4)
+    no_split = {"WN": 1, "KW": 4, "SPLIT_K": 1, "depth": 1}
+    assert int4_tc.default_tc_config(1, 20480, 3072) == no_split and int4_tc.default_tc_config(1, 17408, 3072) == no_split
+    assert int4_tc.default_tc_config(1, 3072, 8192)["WN"] == 4 and int4_tc.default_tc_config(3, 20480, 3072)["WN"] == 4
+    assert int4_experts._tc_expert_config(1, None) == no_split
+    assert int4_experts._tc_expert_config(3, None)["WN"] == 2 and int4_experts._tc_expert_config(1, None, down=True)["KW"] == 1
+
+
+@gpu
+@pytest.mark.parametrize("kw", [4, 8])
+def test_no_split_config_gpu(kw):
+    """The ROOFLINE_INT4_NO_SPLIT configs at real sizes: the merged in_proj_qkv+z and the experts' gate_up."""
+    cfg = {"tc": True, "WN": 1, "KW": kw, "SPLIT_K": 1, "depth": 1}
+    check_int4(1, 20480, 3072, 128, True, torch.bfloat16, GPU, config=cfg)
+    check_experts(1, 256, 3072, 1024, 8, 128, torch.bfloat16, GPU, config=cfg)
 
 
 @gpu
@@ -429,70 +457,12 @@ def test_fp8_matmul_gpu(m, n, k):
     check_fp8(m, n, k, (128, 128), torch.bfloat16, GPU)
 
 
-def test_small_fp8_weights_take_the_wide_tiles(monkeypatch):
-    """On the GPU a block-FP8 weight of the shared experts' size takes the 4 x 512 tiles of the session-14 sweep; a
-    dense weight (the router) and a large FP8 one keep the 8 x 128 tiles the sweep did not compare them on."""
-    from roofline.kernels import fp8_gemv
-
-    monkeypatch.setattr(fp8_gemv, "INTERPRET", False)
-    assert fp8_gemv.default_config(1, 2048 * 3072)["BK"] == 512  # the 122B shared gate_up
-    assert fp8_gemv.default_config(4, 3072 * 1024)["BN"] == 4  # its down, at a verify step's rows
-    assert fp8_gemv.default_config(1, 0)["BK"] == 128  # dense
-    assert fp8_gemv.default_config(1, 20480 * 3072)["BK"] == 128  # an FP8 checkpoint's in_proj_qkv+z
-    monkeypatch.setattr(fp8_gemv, "FP8_WIDE_TILES", False)
-    assert fp8_gemv.default_config(1, 2048 * 3072)["BK"] == 128
-
-
 @gpu
 @pytest.mark.parametrize("config", [{"BK": 256, "num_warps": 1}, {"BN": 4, "BK": 512, "num_warps": 2, "SPLIT_K": 3}])
 @pytest.mark.parametrize("m", [1, 4])
 def test_fp8_matmul_gpu_wide_tiles(m, config):
     """Tiles wider than a scale block along K (the sweep's candidates), K not a multiple of the tile."""
     check_fp8(m, 2048, 3072 + 128, (128, 128), torch.bfloat16, GPU, config)
-
-
-def check_gated(m, n, k, fp8, dtype, device, config=None):
-    """The down projection taking silu(gate) * up on load (`gated`) equals silu_mul's launch then the GEMV, bit for
-    bit (the same rounding of the activation, the same sums), on a [gate | up] input whose rows lie apart."""
-    from roofline.kernels.small_ops import silu_mul
-
-    torch.manual_seed(m + n + k)
-    wide = torch.randn(m, 2 * k + 8, device=device).to(dtype) * 3
-    gate_up = wide[:, 4 : 4 + 2 * k]  # a column view: rows 2k + 8 apart
-    w = torch.randn(n, k)
-    weight, scale = quantize_fp8_block(w, (128, 128)) if fp8 else (w.to(dtype), None)
-    weight, scale = weight.to(device), None if scale is None else scale.to(device)
-    y = fp8_matmul(gate_up, weight, scale, (128, 128), gated=True, config=config,
-                   out=nan_like(torch.empty(m, n, dtype=dtype, device=device)))
-    assert torch.equal(y, fp8_matmul(silu_mul(gate_up), weight, scale, (128, 128), config=config))
-    assert_counters_zero()
-
-
-@cpu
-@pytest.mark.parametrize("m,n,k,fp8,config", [
-    (1, 40, 200, True, None),  # K split, K not a multiple of the tile
-    (3, 24, 256, False, {"SPLIT_K": 1}),
-    (4, 33, 384, True, {"SPLIT_K": 2}),
-    (2, 12, 640, True, {"BN": 4, "BK": 512}),  # the small-FP8 default's tile: 512 activations a step
-])
-def test_gated_down_projection_interpreter(m, n, k, fp8, config):
-    check_gated(m, n, k, fp8, torch.float16, "cpu", config)
-
-
-def test_gated_and_norm_prologues_are_refused_together():
-    from roofline.kernels.fp8_gemv import NormOnLoad
-
-    x, w = torch.randn(1, 64), torch.randn(8, 32)
-    norm = NormOnLoad(torch.zeros(1, 4), torch.zeros(32), 1e-6)
-    with pytest.raises(ValueError, match="gated and norm are two prologues"):
-        fp8_matmul(x, w, None, gated=True, norm=norm)
-
-
-@gpu
-@pytest.mark.parametrize("m", [1, 2, 4])
-@pytest.mark.parametrize("n,k,fp8", [(3072, 1024, True), (2048, 1024, False)])  # the 122B / 35B shared down
-def test_gated_down_projection_gpu(m, n, k, fp8):
-    check_gated(m, n, k, fp8, torch.bfloat16, GPU)
 
 
 def check_grouped_dense(t, top_k, n, k, dtype, device, config=None):
@@ -743,37 +713,6 @@ def test_gdn_decode_interpreter(bsz, hk, hv, dk, dv, dtype, block_v):
 @pytest.mark.parametrize("block_v", [16, 32])
 def test_gdn_decode_gpu(bsz, block_v):
     check_gdn(bsz, 16, 64, 128, 128, torch.bfloat16, GPU, block_v)
-
-
-def check_gdn_ba(bsz, m, hk, hv, dk, dv, hidden, dtype, device, tol):
-    """gdn_decode taking the b / a dots itself (ba=(x, weight), ROOFLINE_GDN_BA_IN_KERNEL) against the same step
-    given the b / a GEMV's outputs, rounded to the model dtype as dense_matmul's are."""
-    args, c = gdn_inputs(bsz, hk, hv, dk, dv, dtype, device)
-    args.pop("b"), args.pop("a")
-    given = {k: v.clone() for k, v in args.items()}
-    x = torch.randn(bsz * m, hidden, device=device).to(dtype)
-    weight = (torch.randn(2 * hv, hidden, device=device) / hidden**0.5).to(dtype)
-    ba_out = (x.float() @ weight.float().t()).to(dtype)
-    qkv = torch.randn(bsz * m, c, device=device).to(dtype)
-    z = torch.randn(bsz * m, hv * dv, device=device).to(dtype)
-    given["z"] = args["z"] = z
-    y = gdn_decode(qkv, b=None, a=None, num_k_heads=hk, tokens_per_seq=m, ba=(x, weight), **args)
-    want = gdn_decode(qkv, b=ba_out[:, :hv], a=ba_out[:, hv:], num_k_heads=hk, tokens_per_seq=m, **given)
-    assert rel_err(y, want) < tol
-    assert rel_err(args["state"], given["state"]) < tol
-    assert_counters_zero()
-
-
-@cpu
-@pytest.mark.parametrize("bsz,m,dtype", [(2, 1, torch.float32), (1, 3, torch.float16)])
-def test_gdn_decode_takes_the_ba_dots_interpreter(bsz, m, dtype):
-    check_gdn_ba(bsz, m, 2, 4, 16, 16, 600, dtype, "cpu", 2e-3)
-
-
-@gpu
-@pytest.mark.parametrize("m", [1, 3])
-def test_gdn_decode_takes_the_ba_dots_gpu(m):
-    check_gdn_ba(1, m, 16, 64, 128, 128, 3072, torch.bfloat16, GPU, 1e-2)
 
 
 def test_gdn_reference_matches_model():

@@ -62,21 +62,6 @@ def test_pooled_greedy_tokens_equal_reference(checkpoint, k):
 
 
 @cpu
-def test_gdn_kernel_taking_the_ba_dots_keeps_the_tokens(checkpoint, monkeypatch):
-    """ROOFLINE_GDN_BA_IN_KERNEL (an experiment): the GDN kernel's own b/a dots give the tokens of the b/a GEMV
-    beside it (float16: the merged b/a weight must be 16-bit). Several tokens a step: test_kernels' ba_dots tests."""
-    from roofline.kernels import mixers
-    from roofline.model.layers import GatedDeltaNet
-
-    want = greedy(engines(checkpoint, "cpu", "float16")[1], PROMPTS[:1], n=5)
-    monkeypatch.setattr(mixers, "GDN_BA_IN_KERNEL", True)
-    _, pooled = engines(checkpoint, "cpu", "float16")
-    gdns = [m for m in pooled.model.modules() if isinstance(m, GatedDeltaNet)]
-    assert gdns and all(mixers.ba_in_kernel(m) is not None for m in gdns)
-    assert greedy(pooled, PROMPTS[:1], n=5) == want
-
-
-@cpu
 def test_verify_rollback_equals_never_seeing_rejected_tokens(checkpoint):
     _, pooled = engines(checkpoint, "cpu", "float32")
     model, graphs = pooled.model, pooled.graphs

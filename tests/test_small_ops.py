@@ -217,8 +217,8 @@ def test_router_gemv_routes_as_the_top_k_kernel(merged):
 
 @runs_here
 @pytest.mark.parametrize("rows", [3, 4])
-def test_router_routes_three_and_four_rows_in_one_launch_when_asked(monkeypatch, rows):
-    """ROOFLINE_ROUTER_ROWS=4 (benchmarks/ab_step.py's router-one-launch): a verify step's 3-4 rows route in the
+def test_router_routes_three_and_four_rows_in_one_launch(monkeypatch, rows):
+    """The default ROOFLINE_ROUTER_ROWS=4: a verify step's 3-4 rows route in the
     GEMV's epilogue, on ROUTER_ROWS_CONFIG's tiles, exactly as route_top_k on that GEMV's logits; the shared
     expert's gate logit is the merged weight's last column."""
     import types
@@ -243,33 +243,3 @@ def test_router_routes_three_and_four_rows_in_one_launch_when_asked(monkeypatch,
     logits = dense_matmul(x, moe.merged["router"].merged.weight, config=blocks.ROUTER_ROWS_CONFIG)
     assert_same_routing((experts, weights), route_top_k(logits[:, :64], 8))
     assert torch.equal(gate_logit, logits[:, 64:])
-
-
-@runs_here
-def test_shared_expert_takes_its_activation_in_the_down_gemv(monkeypatch, caplog):
-    """The default layout's FP8 shared experts on the fast path: each one's down GEMV takes silu * up on load (counted
-    among the installed kernels) and gives what the silu_mul launch and the GEMV give, bit for bit, at 1..4 rows."""
-    from roofline.bench.synthetic import build_synthetic_model
-    from roofline.checkpoint.shapes import resolve_layout
-    from roofline.kernels import blocks
-    from roofline.model.layers import SparseMoE
-    from roofline.quant import Fp8BlockWeight
-
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    model, _ = build_synthetic_model("tiny", resolve_layout("hybrid", {"lm_head": "int8"}), DEVICE, dtype)
-    with caplog.at_level("INFO", logger="roofline.kernels"):
-        installed = dispatch.install_fast_path(model, allow_cpu=True).installed
-    shared = [m.shared_expert for m in model.modules() if isinstance(m, SparseMoE)]
-    fp8 = [m for m in shared if isinstance(m.down_proj, Fp8BlockWeight)]  # the MTP layer's stays 16-bit dense here
-    taken = installed["mlp activation in the down GEMV's prologue"]
-    assert fp8 and taken >= len(fp8)
-    if taken < len(shared):  # the others are named in the log, with why
-        assert f"{len(shared) - taken} MLPs keep their silu * up launch: their down projection has no fp8_gemv" in caplog.text
-    torch.manual_seed(0)
-    for rows in (1, 4):
-        x = torch.randn(rows, model.config.hidden_size, device=DEVICE).to(dtype)
-        assert blocks.silu_in_down(fp8[0]) is not None
-        on = fp8[0](x)
-        monkeypatch.setattr(blocks, "SILU_IN_DOWN", False)
-        assert blocks.silu_in_down(fp8[0]) is None and torch.equal(fp8[0](x), on)
-        monkeypatch.setattr(blocks, "SILU_IN_DOWN", True)

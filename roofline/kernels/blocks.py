@@ -5,9 +5,9 @@ Same math as `DecoderLayer.forward` and `SparseMoE.forward`, rounded where they 
 - layer: h = x + mixer(norm1(x)); the add and norm2 are one launch (`add_rms_norm`); the MoE block
   adds h itself, in its last kernel;
 - MLP (the dense model's, and the MoE's shared expert): gate and up as one merged GEMV, silu * up
-  in one kernel, down: 3 launches where the model code runs 5; 2 where the down projection runs on
-  fp8_gemv's kernel (FP8 or dense 16-bit), which takes silu * up on load (`gated`; ROOFLINE_SILU_IN_DOWN=0
-  keeps the silu_mul launch);
+  in one kernel, down: 3 launches where the model code runs 5 (session 15 took silu * up into the down
+  GEMV's prologue, one launch fewer: H200, session 17, the M = 3 verify graph 0.44 ms slower, M = 1 no
+  faster, since every program of the down GEMV recomputes its slice of the activation; removed);
 - MoE (INT4 routed experts): router and shared-expert gate as one merged GEMV with the router's
   softmax / top-k in its epilogue (`fp8_gemv.router_top_k`, where the router is a dense or FP8
   weight; else a separate top-k kernel), the routed experts' gate_up, the shared expert (3), then
@@ -41,7 +41,6 @@ from .fp8_gemv import NormOnLoad, fp8_matmul, router_top_k
 from .small_ops import add_rms_norm, route_top_k, silu_mul
 
 NORM_IN_GEMVS = os.environ.get("ROOFLINE_NORM_IN_GEMVS", "1") != "0"
-SILU_IN_DOWN = os.environ.get("ROOFLINE_SILU_IN_DOWN", "1") != "0"
 
 
 def gemv_operands(weight) -> tuple | None:
@@ -76,9 +75,10 @@ def norm_in_gemvs(layer: DecoderLayer, dtype) -> bool:
 # no slower); the epilogue runs in one single-warp program, where the separate top-k kernel has a program of 4
 # warps per row. Run 13's router sweep at M = 4 then had the one launch at 6.72 us on 2 warps with 256-wide K steps
 # (11.85 on the default single warp) against 6.18 for the two launches, which in the step also pay a kernel
-# boundary: ROOFLINE_ROUTER_ROWS=4 routes 3-4 rows in the epilogue on those tiles (`ROUTER_ROWS_CONFIG`; session 16,
-# an experiment for `benchmarks/ab_step.py`, not yet measured in the step).
-_ROUTER_ROWS = os.environ.get("ROOFLINE_ROUTER_ROWS", "2")
+# boundary. So 3-4 rows route in the epilogue on those tiles (`ROUTER_ROWS_CONFIG`): in the step (H200, session 17,
+# benchmarks/ab_step.py, one build, alternating rounds) the M = 3 verify graph 0.095 ms faster than two launches in
+# both of two runs, M = 1 unchanged. ROOFLINE_ROUTER_ROWS=2 keeps the separate top-k kernel past two rows.
+_ROUTER_ROWS = os.environ.get("ROOFLINE_ROUTER_ROWS", "4")
 if _ROUTER_ROWS not in ("2", "4"):
     raise ValueError(f"ROOFLINE_ROUTER_ROWS must be 2 or 4, got {_ROUTER_ROWS!r}")
 FUSED_ROUTE_ROWS = int(_ROUTER_ROWS)
@@ -157,11 +157,6 @@ def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residu
                         residual=None if residual is None else residual.contiguous())
 
 
-def silu_in_down(mlp: MLP) -> tuple | None:
-    """The down projection's fp8_gemv operands where it takes the activation on load (`SILU_IN_DOWN`), else None."""
-    return gemv_operands(mlp.down_proj) if SILU_IN_DOWN else None
-
-
 def mlp_forward(mlp: MLP, x: torch.Tensor, norm: NormOnLoad | None = None) -> torch.Tensor:
     """MLP.forward with gate and up as one merged projection and silu * up as one kernel; with `norm` (the MoE
     block's shared expert, `norm_in_gemvs`) the merged gate_up norms its input in its prologue."""
@@ -172,9 +167,6 @@ def mlp_forward(mlp: MLP, x: torch.Tensor, norm: NormOnLoad | None = None) -> to
         return MLP.forward(mlp, x)
     else:
         gate_up = both.merged(x)
-    down = silu_in_down(mlp)
-    if down is not None:  # the down GEMV takes silu * up on load: no silu_mul launch
-        return fp8_matmul(gate_up, *down, gated=True).view(*x.shape[:-1], -1)
     return mlp.down_proj(silu_mul(gate_up.reshape(-1, 2 * mlp.gate_proj.out_features)).view(*x.shape[:-1], -1))
 
 

@@ -288,7 +288,7 @@ def _install_merged_projections(model: torch.nn.Module, installed: Counter) -> N
 
 def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
     """Decoder layers, MoE blocks and MLPs with fewer launches for decode rows (blocks.py)."""
-    from .blocks import fused_router, layer_forward, mlp_forward, moe_forward, norm_in_gemvs, silu_in_down
+    from .blocks import fused_router, layer_forward, mlp_forward, moe_forward, norm_in_gemvs
     from .int4_gemv import is_symmetric
 
     apart = 0
@@ -308,13 +308,7 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
         elif isinstance(module, DecoderLayer):
             module.forward = partial(layer_forward, module)
             installed["fused decoder layer"] += 1
-    silu_apart = 0
     for module in model.modules():  # after the MoE blocks' own forwards, which norm_in_gemvs checks
-        if isinstance(module, MLP):
-            if silu_in_down(module) is not None:
-                installed["mlp activation in the down GEMV's prologue"] += 1
-            else:
-                silu_apart += 1
         if isinstance(module, DecoderLayer):
             module.norm_in_gemvs = norm_in_gemvs(module, model.dtype)
             if module.norm_in_gemvs:
@@ -322,13 +316,6 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
     if apart:
         log.info("%d MoE routers run their GEMV and a separate top-k kernel: the router weight is neither dense "
                  "16-bit nor block FP8 with a decode kernel", apart)
-    if silu_apart:
-        from .blocks import SILU_IN_DOWN
-
-        why = "ROOFLINE_SILU_IN_DOWN=0" if not SILU_IN_DOWN else (
-            "their down projection has no fp8_gemv decode kernel (INT4, or a dense weight the small-dense kernel does "
-            "not take: not 16-bit or too many rows); only that kernel takes the activation on load")
-        log.info("%d MLPs keep their silu * up launch: %s", silu_apart, why)
 
 
 # INT4 qweights block-repacked at load for the tensor-core kernels (quant.int4.block_qweight): each warp-step 2 KB
@@ -411,7 +398,7 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
         log.warning("fast path not used: Triton is not installed (pip install 'roofline[gpu]'); running the PyTorch reference path")
         return result
     from .int4_gemv import is_symmetric
-    from .mixers import GDN_BA_IN_KERNEL, attention_slot_step, ba_in_kernel, fla_chunked_recurrence, gdn_slot_step
+    from .mixers import attention_slot_step, fla_chunked_recurrence, gdn_slot_step
 
     fla = _fla_available() if device.type == "cuda" else False  # fla's kernels need CUDA (not the interpreter)
 
@@ -451,9 +438,6 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
     if installed["gdn decode"] and not fla and device.type == "cuda":
         log.warning("GDN prefill runs the PyTorch loop over tokens: fla-core is not installed (pip install 'roofline[gpu]')")
     _install_merged_projections(model, installed)
-    if GDN_BA_IN_KERNEL:
-        installed["gdn b/a dots in the GDN kernel (ROOFLINE_GDN_BA_IN_KERNEL=1, experiment)"] += sum(
-            1 for m in model.modules() if isinstance(m, GatedDeltaNet) and ba_in_kernel(m) is not None)
     block, why = block_int4_wanted(speculative)
     if block:
         _block_int4_weights(model, model.dtype, installed)
@@ -480,11 +464,6 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
             log.info("INT4 calls past the decode kernels' rows dequantise the weight first, the routed experts one at a "
                      "time, and decode steps past %d rows run outside CUDA graphs (ROOFLINE_INT4_GEMM=dequant; the "
                      "default, triton, is the grouped INT4 GEMM kernel)", MAX_EXPERT_TOKENS)
-    if installed["fp8"]:
-        from .fp8_gemv import FP8_WIDE_TILES
-
-        if not FP8_WIDE_TILES:
-            installed["fp8 gemv on 8 x 128 tiles for small weights too (ROOFLINE_FP8_WIDE_TILES=0)"] += 1
     if installed["int8 lm_head"]:
         from .int8_lm_head import DOT_ROWS
 

@@ -24,15 +24,13 @@ multiplies rmsnorm(h) * (1 + w), rounded as small_ops.add_rms_norm rounds, on th
 the first column tile also store the normed rows (each its K range) when asked, for the routed experts.
 The router and the shared expert's gate_up both take it, so the add_rms_norm launch leaves the layer.
 
-`gated=True` puts the MLP's activation in the prologue of its down projection: x is the gate_up output
-[gate | up] and every program takes silu(gate) * up of its K range on load, rounded as small_ops.silu_mul
-rounds, so the silu_mul launch leaves the shared expert (each of a layer's ~hundreds of programs recomputes
-its slice: a few hundred exps a row, against the launch and the PDL hand-off it saves).
+`grouped_dense_matmul(..., gated=True)` puts an MLP's activation in the prologue of its down projection (the
+MTP head's routed 16-bit experts): x is the gate_up output [gate | up] and every program takes silu(gate) * up of
+its K range on load, rounded as small_ops.silu_mul rounds.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -172,24 +170,14 @@ def _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM: tl.cons
         reset(cnt_ptr + tiles)
 
 
-# Block-FP8 weights of up to SMALL_FP8 elements (the shared experts) on 4-row x 512 tiles, ~8 programs per SM. H200
-# sweep, session 14 (`2026-12-05-kernels-h200-session14-fp8.json`), the 8 x 128 default against these tiles: shared
-# gate_up 2048 x 3072 7.08 -> 5.67 us at M = 1 and 7.71 -> 7.28 at M = 4, down 3072 x 1024 4.14 -> 4.11 and 5.82 ->
-# 5.14: the one tile of the sweep no slower at any of the four (8 x 256 was 5.62 at gate_up M = 1 but slower at M = 4).
-# Not yet timed end to end (the shared expert runs on the second stream, beside the router and the routed experts).
-# ROOFLINE_FP8_WIDE_TILES=0 keeps the 8 x 128 tiles.
-FP8_WIDE_TILES = os.environ.get("ROOFLINE_FP8_WIDE_TILES", "1") != "0"
-SMALL_FP8 = 8 << 20
-
-
-def default_config(m: int, fp8_elements: int = 0) -> dict:
+def default_config(m: int) -> dict:
     """Measured on the H200 (benchmarks/NOTES-kernels.md, run 5): 8-row x 128 tiles on one warp, ~16 programs per
-    SM, at 1 and 4 rows (shared gate_up 6.7 / 8.6 us against 9.4 / 11.0 on 2 warps at 4 per SM). `fp8_elements`:
-    the size of a block-FP8 weight (0: a dense one), which up to SMALL_FP8 takes `FP8_WIDE_TILES`."""
+    SM, at 1 and 4 rows (shared gate_up 6.7 / 8.6 us against 9.4 / 11.0 on 2 warps at 4 per SM). Session 16 put the
+    shared experts' weights on 4 x 512 tiles at 8 per SM (session 14's kernel sweep had them 5.67 against 7.08 us for
+    gate_up at M = 1); in the step (H200, session 17, one build, alternating rounds) those tiles were slower, the M = 1
+    graph by 0.04 ms and the M = 3 verify by 0.23, so the 8 x 128 tiles stay."""
     if INTERPRET:
         return {"BN": 16, "BK": 32, "num_warps": 1}
-    if FP8_WIDE_TILES and 0 < fp8_elements <= SMALL_FP8:
-        return {"BN": 4, "BK": 512, "num_warps": 1, "programs_per_sm": 8.0}
     return {"BN": 8, "BK": 128, "num_warps": 1, "programs_per_sm": 16.0}
 
 
@@ -207,21 +195,15 @@ def _k_split(k: int, bk: int, programs: int, cfg: dict, device) -> tuple[int, in
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, block=(128, 128), *, out=None,
                config: dict | None = None, counters: torch.Tensor | None = None, route: tuple | None = None,
-               norm: NormOnLoad | None = None, gated: bool = False) -> torch.Tensor:
+               norm: NormOnLoad | None = None) -> torch.Tensor:
     """y = x @ W^T for x [..., K] with 1..4 rows, W block FP8 [N, K] with scale_inv per (bn, bk) block
     (scale_inv None: W is used as it is stored, see dense_matmul). `route` = (experts [M, k] int64, weights
     [M, k] fp32, E): also write each row's routing over its first E outputs (see router_top_k). `norm`:
-    y = rms_norm(x) @ W^T (see NormOnLoad). `gated`: x is [..., 2K] = [gate | up] per row (rows may lie apart) and
-    y = small_ops.silu_mul(x) @ W^T, the MLP's down projection taking its activation on load (one launch fewer)."""
+    y = rms_norm(x) @ W^T (see NormOnLoad)."""
     n, k = weight.shape
-    if gated:
-        if norm is not None:
-            raise ValueError("fp8_matmul: gated and norm are two prologues; one call takes one")
-        x2, lead = decode_rows(x, 2 * k, "fp8_matmul")  # contiguous [M, 2K]
-    else:
-        x2, lead = decode_rows(x, k, "fp8_matmul")
+    x2, lead = decode_rows(x, k, "fp8_matmul")
     m = x2.shape[0]
-    cfg = default_config(m, n * k if scale_inv is not None else 0)
+    cfg = default_config(m)
     cfg.update(config or {})
     bn_s, bk_s = block
     bn, bk = min(cfg["BN"], bn_s), cfg["BK"]
@@ -244,7 +226,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
         scale_inv.shape[-1] if scale_inv is not None else 0,
         SBN=bn_s, SBK=bk_s, BM=max(1, 1 << (m - 1).bit_length()), BN=bn, BK=bk, SPLIT_K=split, SPLITP=next_pow2(split),
         HAS_SCALE=scale_inv is not None, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
-        XS=x2.shape[1], GATED=gated, WS_STRIDE=m * n, **routing, **_norm_args(norm, x2), **pdl_options(x.device),
+        XS=x2.shape[1], WS_STRIDE=m * n, **routing, **_norm_args(norm, x2), **pdl_options(x.device),
     )
     return out.reshape(*lead, n)
 

@@ -33,12 +33,6 @@ group's o vectors back from a small fp32 workspace.
 Layouts: qkv [B*M, 2*Hk*dk + Hv*dv] ([q | k | v], as in_proj_qkv writes it; qkv, z, b and a may be column views of
 a merged projection's output, their rows strided), conv_weight
 [C, 1, K] or [C, K], state fp32; output in qkv's dtype (out_proj's input).
-
-`ba=(x, weight)` (an experiment, `ROOFLINE_GDN_BA_IN_KERNEL=1`, see mixers.py): instead of the b and a
-projections' outputs, the layer's normed input x [B*M, H] and their merged weight [2 Hv, H] (b's rows,
-then a's); each program takes its head's two dots itself, rounded to the model dtype as the GEMV's
-output is, before its PDL wait (x is two kernels old), so the b/a GEMV's launch and the second-stream
-fork and join around it leave the step.
 """
 
 from __future__ import annotations
@@ -171,21 +165,6 @@ def _shift_window(qkv_row, hist_ptr, c, cmask, C, QS, M: tl.constexpr, KERNEL: t
 
 
 @triton.jit
-def _ba_dots(x_row, w_ptr, h, HV, H, BH: tl.constexpr, ty: tl.constexpr):
-    """(x . w[h], x . w[HV + h]) over H, fp32, each rounded to the model dtype (the b / a GEMV's output dtype)."""
-    CH: tl.constexpr = 512 if BH > 512 else BH
-    acc_b = tl.zeros([CH], dtype=tl.float32)
-    acc_a = tl.zeros([CH], dtype=tl.float32)
-    for c in tl.static_range(0, BH, CH):
-        k = c + tl.arange(0, CH)
-        mask = k < H
-        xv = tl.load(x_row + k, mask=mask, other=0).to(tl.float32)
-        acc_b += xv * tl.load(w_ptr + h * H + k, mask=mask, other=0).to(tl.float32)
-        acc_a += xv * tl.load(w_ptr + (HV + h) * H + k, mask=mask, other=0).to(tl.float32)
-    return tl.sum(acc_b, axis=0).to(ty).to(tl.float32), tl.sum(acc_a, axis=0).to(ty).to(tl.float32)
-
-
-@triton.jit
 def _gdn_decode_kernel(
     qkv_ptr, z_ptr, b_ptr, a_ptr, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, nw_ptr, state_ptr, out_ptr, o_ws, cnt_ptr,
     slot_ptr, sstate_ptr, sconv_ptr,
@@ -193,7 +172,6 @@ def _gdn_decode_kernel(
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     NVB, KERNEL: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
     HAS_SLOTS: tl.constexpr, SAVE_STATES: tl.constexpr, SAVE_CONV: tl.constexpr, PDL: tl.constexpr = False,
-    x_ptr=None, baw_ptr=None, H=1, BA_IN: tl.constexpr = False, BH: tl.constexpr = 1, MP: tl.constexpr = 1,
 ):
     vb = tl.program_id(0)
     h = tl.program_id(1)
@@ -222,15 +200,7 @@ def _gdn_decode_kernel(
     s = tl.load(s_ptrs, mask=smask, other=0)
     decay_scale = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
-    if BA_IN:  # b and a of each token from x (written two kernels back: safe before the wait)
-        jj = tl.arange(0, MP)
-        b_all = tl.zeros([MP], dtype=tl.float32)
-        a_all = tl.zeros([MP], dtype=tl.float32)
-        for j in tl.static_range(M):
-            bj, aj = _ba_dots(x_ptr + (bi * M + j).to(tl.int64) * H, baw_ptr, h, HV, H, BH, ty)
-            b_all = tl.where(jj == j, bj, b_all)
-            a_all = tl.where(jj == j, aj, a_all)
-    wait_for_inputs(PDL)  # qkv, z (and b, a) come from the projections
+    wait_for_inputs(PDL)  # qkv, z, b and a come from the projections
     for j in tl.static_range(M):
         tok = bi * M + j
         q = _conv_silu(qkv_row, hist, convw_ptr, cq, dmask, C, QS, j, KERNEL, CONV_TY, ty)
@@ -238,12 +208,8 @@ def _gdn_decode_kernel(
         v = _conv_silu(qkv_row, hist, convw_ptr, cv, vmask, C, QS, j, KERNEL, CONV_TY, ty)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * (1.0 / tl.sqrt(DK.to(tl.float32)))
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        if BA_IN:
-            bv = tl.sum(tl.where(jj == j, b_all, 0.0), axis=0)
-            av = tl.sum(tl.where(jj == j, a_all, 0.0), axis=0)
-        else:
-            bv = tl.load(b_ptr + tok * BS + h).to(tl.float32)
-            av = tl.load(a_ptr + tok * AS + h).to(tl.float32)
+        bv = tl.load(b_ptr + tok * BS + h).to(tl.float32)
+        av = tl.load(a_ptr + tok * AS + h).to(tl.float32)
         beta = (1.0 / (1.0 + tl.exp(-bv))).to(ty).to(tl.float32)
         u = av + dtb
         softplus = tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(u)))
@@ -294,11 +260,9 @@ _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl
 
 def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, num_k_heads: int,
                eps: float = 1e-6, *, slots=None, tokens_per_seq: int = 1, step_states=None, step_conv=None,
-               out=None, block_v: int | None = None, num_warps: int | None = None, counters=None,
-               ba: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               out=None, block_v: int | None = None, num_warps: int | None = None, counters=None) -> torch.Tensor:
     """One fused GDN decode step of M = tokens_per_seq tokens per sequence (see the module docstring);
-    updates conv_state and state (rows `slots`, or 0..B-1) in place -> [B*M, Hv*dv]. With `ba` = (x, merged
-    b/a weight), b and a are None and the kernel takes their dots itself."""
+    updates conv_state and state (rows `slots`, or 0..B-1) in place -> [B*M, Hv*dv]."""
     m = tokens_per_seq
     n, conv_dim = qkv.shape
     hv, dk, dv = state.shape[1:]
@@ -326,14 +290,6 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         out = torch.empty(n, hv * dv, dtype=qkv.dtype, device=qkv.device)
     o_ws = torch.empty(n, hv, dv, dtype=torch.float32, device=qkv.device)
     cnt = counters if counters is not None else counters_for("gdn_decode", bsz * num_k_heads, qkv.device)
-    ba_args = {}
-    if ba is not None:
-        x, weight = ba
-        if x.shape[0] != n or not x.is_contiguous() or weight.shape != (2 * hv, x.shape[1]) or not weight.is_contiguous():
-            raise ValueError(f"ba: x must be contiguous [{n}, H] and the merged b/a weight contiguous [{2 * hv}, H], got "
-                             f"{list(x.shape)} and {list(weight.shape)}")
-        b = a = x  # unread: the kernel takes the dots
-        ba_args = dict(x_ptr=x, baw_ptr=weight, H=x.shape[1], BA_IN=True, BH=next_pow2(x.shape[1]), MP=next_pow2(m))
     (qkv, qs), (z, zs), (b, bs), (a, as_) = (rows_in_place(t) for t in (qkv, z, b, a))
     _gdn_decode_kernel[(nvb, hv, bsz)](
         qkv, z, b, a, conv_state, conv_weight.contiguous(),
@@ -343,6 +299,6 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_,
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
         CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STATES=save_states,
-        SAVE_CONV=save_conv, num_warps=num_warps or (2 if not INTERPRET else 1), **ba_args, **pdl_options(qkv.device),
+        SAVE_CONV=save_conv, num_warps=num_warps or (2 if not INTERPRET else 1), **pdl_options(qkv.device),
     )
     return out

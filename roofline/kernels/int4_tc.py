@@ -512,6 +512,27 @@ INT4_DEPTH = 2 if _DEPTH_ENV == "2" else 1
 WIDE_TILES = 96 if _DEPTH_ENV == "1" else None  # 128-column tiles from which several rows take the one-buffer loop
 
 
+# An experiment for benchmarks/ab_step.py (session 17): `kernel_floor.py` on the H200 put a split-K arrival round at
+# +1.25 us a kernel in a PDL chain (2.49 against 1.24 us for an empty kernel; one atomic add a program instead: 1.22),
+# and a stream with no split at 3.75 us for 8 MB against 4.37 split 8 ways. With ROOFLINE_INT4_NO_SPLIT=KW a one-row
+# GEMV wide enough to fill the GPU with 32-column programs (>= NO_SPLIT_MIN_N columns: the merged GDN in_proj_qkv+z,
+# attention's q/k/v) and the experts' gate_up run one program per 32 columns over the whole K, its KW warps splitting
+# K and summing in the program (shared memory): no workspace, no arrival round.
+_NO_SPLIT_ENV = os.environ.get("ROOFLINE_INT4_NO_SPLIT", "0")
+if _NO_SPLIT_ENV not in ("0", "2", "4", "8"):
+    raise ValueError(f"ROOFLINE_INT4_NO_SPLIT must be 0, 2, 4 or 8 (warps along K), got {_NO_SPLIT_ENV!r}")
+NO_SPLIT_WARPS = int(_NO_SPLIT_ENV)
+NO_SPLIT_MIN_N = 8192
+
+
+def no_split_config(rows: int, n: int | None = None) -> dict | None:
+    """The one-row config without a K split across programs (`NO_SPLIT_WARPS`), or None; `n` None: the experts'
+    gate_up (always wide enough: 8 experts' columns)."""
+    if not NO_SPLIT_WARPS or rows != 1 or (n is not None and n < NO_SPLIT_MIN_N):
+        return None
+    return {"WN": 1, "KW": NO_SPLIT_WARPS, "SPLIT_K": 1, "depth": 1}
+
+
 def one_buffer_loop(rows: int, n: int = 0) -> bool:
     """Whether a call on `rows` token rows of a weight with `n` output columns takes the one-buffer loop
     (`INT4_DEPTH`): every one-row call, and GEMVs of more rows over wide weights (`WIDE_TILES`). The experts
@@ -527,6 +548,9 @@ def default_tc_config(m: int, n: int, k: int) -> dict:
     M=4 12.2 vs 17.0; M=1 within 3%); ~6 in the one-buffer loop (`one_buffer_loop`)."""
     if INTERPRET:
         return {"WN": 1, "KW": 2, "num_warps": 2}
+    no_split = no_split_config(m, n)
+    if no_split:
+        return no_split
     if one_buffer_loop(m, n):
         return {"WN": 4, "KW": 1, "programs_per_sm": 6.0, "depth": 1}
     return {"WN": 4, "KW": 1, "programs_per_sm": 4.0 if m == 1 else 2.0}

@@ -14,7 +14,6 @@ rule where it is installed (`fla_chunked_recurrence`), instead of the reference'
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -57,31 +56,9 @@ def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch,
     return out_projection(attn.o_proj, out.reshape(n, -1), residual)
 
 
-# An experiment awaiting its A/B on the H200 (benchmarks/NOTES-kernels.md, "For the next session"): the GDN kernel
-# takes the b/a projection's two dots per head itself (gdn_decode's `ba`), so the b/a GEMV, and the second-stream fork
-# and join around it, leave the step. One reason to expect more than the launch: a kernel that waits on another
-# stream's branch may not start early under PDL, and the GDN kernel's loads before its wait (bfbae9c) measured nothing.
-GDN_BA_IN_KERNEL = os.environ.get("ROOFLINE_GDN_BA_IN_KERNEL", "0") == "1"
-
-
-def ba_in_kernel(gdn: GatedDeltaNet) -> torch.Tensor | None:
-    """The merged b/a weight when the GDN kernel takes the dots itself (`GDN_BA_IN_KERNEL`, a contiguous 16-bit dense
-    merged weight), else None."""
-    merged = gdn.merged["b_a"].merged
-    weight = getattr(merged, "weight", None)
-    if not GDN_BA_IN_KERNEL or merged is None or merged.FORMAT != "dense" or not weight.is_contiguous() \
-            or weight.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    return weight
-
-
 def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch, residual: torch.Tensor | None = None):
     step_states, step_conv = (batch.rollback or {}).get(gdn.layer_idx, (None, None))
-    ba_weight = ba_in_kernel(gdn)
-    if ba_weight is None:
-        (b, a), join = beside(x.device, gdn.merged["b_a"], x)  # the small b/a projection beside the big one
-    else:
-        (b, a), join = (None, None), lambda: None  # the GDN kernel takes the dots
+    (b, a), join = beside(x.device, gdn.merged["b_a"], x)  # the small b/a projection beside the big one
     qkv, z = gdn.merged["qkv_z"](x)  # each pair one launch where its formats agree (merge.py)
     join()
     core = gdn_decode(
@@ -89,7 +66,6 @@ def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch, residua
         batch.pool.conv[gdn.layer_idx], gdn.conv1d.weight, gdn.A_log, gdn.dt_bias, gdn.norm.weight,
         batch.pool.recurrent[gdn.layer_idx], gdn.num_k_heads, gdn.eps,
         slots=batch.slots, tokens_per_seq=batch.tokens_per_seq, step_states=step_states, step_conv=step_conv,
-        ba=None if ba_weight is None else (x.reshape(-1, x.shape[-1]).contiguous(), ba_weight),
     )
     return out_projection(gdn.out_proj, core, residual)
 
