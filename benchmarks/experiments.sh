@@ -1,26 +1,24 @@
 #!/usr/bin/env bash
-# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 16"), as phases that each fit one 10-minute
-# device call:
-#   OUT=... bash benchmarks/experiments.sh first    # GPU tests of what sessions 14-15 wrote, then the 122B table
-#                                                   # with distinct-id verify rows, prefill and the engine loop (~8 min)
-#   OUT=... bash benchmarks/experiments.sh quick    # when device time is short: the new defaults' GPU tests, the 122B
-#                                                   # table at 0 / 32K, the A/B (~9 min)
-#   OUT=... bash benchmarks/experiments.sh one      # one machine start's worth: the GPU tests, 122B at 0 / 32K, the
-#                                                   # floor, three A/B variants (~9.5 min)
+# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 17"), as phases that each fit one 10-minute
+# device call (session 17: a warm H200 ran `one`, the old name of `next`'s shape, in 178 s):
+#   OUT=... bash benchmarks/experiments.sh next     # session 17's GPU tests (the no-split INT4 configs, the router at
+#                                                   # 3-4 rows, graph tokens), then the A/B of the no-split configs
+#                                                   # and the shapes (~4 min)
+#   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
+#                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh shapes   # the 35B-A3B and 27B rows (~2 min)
 #   OUT=... bash benchmarks/experiments.sh tests    # the pooled-decode / fast-path / generate-CLI GPU files (~5 min)
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
 #                                                   # experts kernels in 16-token chunks (~2 min)
 #   OUT=... bash benchmarks/experiments.sh attn     # decode attention's tile sweep at 8K / 32K (~2 min)
 #   OUT=... bash benchmarks/experiments.sh floor    # what a kernel costs in a captured PDL chain before any math:
-#                                                   # empty, one arrival round, pure streaming 2-32 MB (~2 min)
+#                                                   # empty, one arrival round or atomic adds, pure streaming 2-32 MB
+#                                                   # (~1 min; measured in session 17)
 #   OUT=... bash benchmarks/experiments.sh ab       # in one process on one 122B build (benchmarks/ab_step.py), 3
-#                                                   # alternating rounds of the M = 1 and M = 3 (verify) graphs:
-#                                                   # the default against the one-buffer loop at one row only
-#                                                   # (session 16), the FP8 8 x 128 tiles (session 16), the shared
-#                                                   # expert's silu_mul launch kept (session 15), the GDN b/a dots in
-#                                                   # the GDN kernel (session 10), the router's routing in its GEMV
-#                                                   # at 3-4 rows (session 16) (~5 min)
+#                                                   # alternating rounds of the M = 1 and M = 3 (verify) graphs: the
+#                                                   # default against the no-split INT4 configs (session 17), the
+#                                                   # router's separate top-k past two rows and the one-buffer loop
+#                                                   # at one row only (both measured slower in session 17) (~2 min)
 #   OUT=... bash benchmarks/experiments.sh ab-order # INT4 qweights in GPTQ order (what an engine with MTP keeps)
 #                                                   # against block-repacked, now on distinct-id verify rows (~8 min;
 #                                                   # chosen at install time, so two bench runs each round)
@@ -50,33 +48,17 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  first)  # session 15's changes on the GPU, then the tables
-    gpu_tests 60 -m gpu tests/test_kernels.py -k "gated or grouped_dense or fp8_matmul_gpu or residual_and_norm or one_buffer"
-    gpu_tests 40 tests/test_small_ops.py -k "activation_in_the_down or router_gemv or three_and_four"  # unmarked: no -m gpu
-    gpu_tests 30 tests/test_sampling.py  # the candidates path on CUDA, and no host sync in it
+  next)  # session 17's work: GPU tests, then the no-split A/B, then the shapes
+    gpu_tests 60 -m gpu tests/test_kernels.py -k "no_split or one_buffer or grouped_dense or residual_and_norm"
+    gpu_tests 30 tests/test_small_ops.py -k "router_gemv or three_and_four"  # unmarked: no -m gpu
     gpu_tests 90 -m gpu tests/test_pooled_decode.py -k cuda_graph_greedy  # graph tokens = reference, MTP-2 too
-    timeout 260 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
+    timeout 150 python3 benchmarks/ab_step.py --variants no-split-4,no-split-8 --rounds 2 2>&1 | tail -8
+    bash "$0" shapes
+    ;;
+  first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
+    timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
       --capacity "$(capacity)" --engine-tokens 256 --batch-decode 0 --profile --out "$OUT/$day-synthetic-qwen3.5-122b-a10b.json" 2>&1 \
       | tee "$OUT/synthetic-122b.log" | grep -v "^| _\|^| void" | tail -70
-    ;;
-  quick)  # one call when device time is short (~9 min): the session-16 defaults' GPU tests, the 122B table at 0 / 32K
-    # (M rows on distinct ids; no prefill, engine loop or profile), then the A/B of the launch-time switches
-    gpu_tests 60 -m gpu tests/test_kernels.py -k "gated or fp8_matmul_gpu or one_buffer"
-    gpu_tests 30 tests/test_small_ops.py -k "router_gemv or three_and_four"
-    timeout 150 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --contexts 0,32K \
-      --capacity "$(capacity)" --prefill 0 --engine-tokens 0 --batch-decode 0 \
-      --out "$OUT/$day-synthetic-qwen3.5-122b-a10b-quick.json" 2>&1 | tee "$OUT/synthetic-quick.log" | tail -40
-    timeout 290 python3 benchmarks/ab_step.py --variants depth-one-row,fp8-8x128,silu-mul-launch,ba-in-kernel,router-one-launch \
-      --rounds 2 2>&1 | tail -20
-    ;;
-  one)  # when only one machine start fits the budget (~9.5 min): the new defaults' GPU tests, the 122B at 0 / 32K,
-    # the kernel floor, then the three A/B variants with predicted wins
-    gpu_tests 50 -m gpu tests/test_kernels.py -k "gated or fp8_matmul_gpu or one_buffer"
-    timeout 150 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --contexts 0,32K \
-      --capacity "$(capacity)" --prefill 0 --engine-tokens 0 --batch-decode 0 \
-      --out "$OUT/$day-synthetic-qwen3.5-122b-a10b-quick.json" 2>&1 | tee "$OUT/synthetic-quick.log" | tail -40
-    timeout 120 python3 benchmarks/kernel_floor.py 2>&1 | tail -40
-    timeout 230 python3 benchmarks/ab_step.py --variants depth-one-row,fp8-8x128,router-one-launch --rounds 2 2>&1 | tail -20
     ;;
   shapes)  # the 35B-A3B and 27B rows (decode at 0 / 8K / 32K, M rows), ~2 min
     for shape in qwen3.5-35b-a3b qwen3.5-27b; do
@@ -97,9 +79,9 @@ case "${1:-}" in
   attn)  # decode attention's tiles at 8K / 32K, M = 1 and 4 (the 32K row is ~0.45 of copy in the step), ~2 min
     timeout 300 python3 benchmarks/kernels.py --only attn 2>&1 | tail -40
     ;;
-  ab)  # predictions in NOTES-kernels "Session 16"; the JSON has every round
-    timeout 540 python3 benchmarks/ab_step.py --variants depth-one-row,fp8-8x128,silu-mul-launch,ba-in-kernel,router-one-launch \
-      --rounds 3 2>&1 | tail -30
+  ab)  # predictions in NOTES-kernels "Session 17"; the JSON has every round
+    timeout 300 python3 benchmarks/ab_step.py --variants no-split-4,no-split-8,router-two-rows,depth-one-row --rounds 3 2>&1 \
+      | tail -30
     ;;
   ab-order)  # the MTP engine keeps GPTQ order because its verify rows measured faster there on one id repeated
     for round in a b; do
@@ -108,7 +90,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|quick|one|shapes|tests|kernels|attn|floor|ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|shapes|tests|kernels|attn|floor|ab|ab-order" >&2
     exit 2
     ;;
 esac
