@@ -6,6 +6,9 @@
 #                                                   # and the shapes (~4 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
+#   OUT=... bash benchmarks/experiments.sh mtp      # where an MTP-2 step through Engine.step spends its time
+#                                                   # (profile_mtp_engine.py; 7.97 ms against 5.9 for its graphs
+#                                                   # in session 14) (~2 min)
 #   OUT=... bash benchmarks/experiments.sh shapes   # the 35B-A3B and 27B rows (~2 min)
 #   OUT=... bash benchmarks/experiments.sh tests    # the pooled-decode / fast-path / generate-CLI GPU files (~5 min)
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
@@ -60,6 +63,9 @@ case "${1:-}" in
       --capacity "$(capacity)" --engine-tokens 256 --batch-decode 0 --profile --out "$OUT/$day-synthetic-qwen3.5-122b-a10b.json" 2>&1 \
       | tee "$OUT/synthetic-122b.log" | grep -v "^| _\|^| void" | tail -70
     ;;
+  mtp)
+    timeout 200 python3 benchmarks/profile_mtp_engine.py --shape qwen3.5-122b-a10b --steps 20 2>&1 | tail -60
+    ;;
   shapes)  # the 35B-A3B and 27B rows (decode at 0 / 8K / 32K, M rows), ~2 min
     for shape in qwen3.5-35b-a3b qwen3.5-27b; do
       timeout 55 python3 -m roofline.cli bench synthetic --shape $shape --repeats 10 --prefill 0 --engine-tokens 0 \
@@ -90,7 +96,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|shapes|tests|kernels|attn|floor|ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|mtp|shapes|tests|kernels|attn|floor|ab|ab-order" >&2
     exit 2
     ;;
 esac
