@@ -30,6 +30,8 @@ VARIANTS = {
     "router-two-rows": ("ROOFLINE_ROUTER_ROWS=2", [("roofline.kernels.blocks", "FUSED_ROUTE_ROWS", 2)]),
     "no-split-4": ("ROOFLINE_INT4_NO_SPLIT=4", [("roofline.kernels.int4_tc", "NO_SPLIT_WARPS", 4)]),
     "no-split-8": ("ROOFLINE_INT4_NO_SPLIT=8", [("roofline.kernels.int4_tc", "NO_SPLIT_WARPS", 8)]),
+    "no-split-4-verify": ("ROOFLINE_INT4_NO_SPLIT=4 and int4_tc.NO_SPLIT_MAX_ROWS=4",
+                          [("roofline.kernels.int4_tc", "NO_SPLIT_WARPS", 4), ("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 4)]),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),

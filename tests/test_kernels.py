@@ -127,6 +127,7 @@ def test_int4_matmul_interpreter(m, n, k, group, sym, config):
     (3, 64, 640, False, {"tc": True, "KW": 1, "SPLIT_K": 2, "depth": 1}),  # one-buffer loop, 3 and 2 steps a split
     (1, 64, 512, True, {"tc": True, "KW": 2, "depth": 1}),      # one-buffer loop, two warp rows
     (1, 96, 1024, False, {"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 1, "depth": 1}),  # ROOFLINE_INT4_NO_SPLIT=4
+    (4, 64, 512, True, {"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 1, "depth": 1}),    # ... at a verify step's rows
 ])
 def test_int4_tc_interpreter(m, n, k, sym, config):
     """The tensor-core path (int4_tc) with its per-thread asm emulated in plain Triton: loads, column map, split K."""
@@ -371,14 +372,18 @@ def test_no_split_config_is_asked_for_and_reaches_the_wide_one_row_calls(monkeyp
     assert int4_tc.default_tc_config(1, 3072, 8192)["WN"] == 4 and int4_tc.default_tc_config(3, 20480, 3072)["WN"] == 4
     assert int4_experts._tc_expert_config(1, None) == no_split
     assert int4_experts._tc_expert_config(3, None)["WN"] == 2 and int4_experts._tc_expert_config(1, None, down=True)["KW"] == 1
+    monkeypatch.setattr(int4_tc, "NO_SPLIT_MAX_ROWS", 4)  # the verify rows' GEMVs too (ab_step's no-split-4-verify)
+    assert int4_tc.default_tc_config(3, 20480, 3072) == no_split and int4_experts._tc_expert_config(3, None)["WN"] == 2
 
 
 @gpu
 @pytest.mark.parametrize("kw", [4, 8])
 def test_no_split_config_gpu(kw):
-    """The ROOFLINE_INT4_NO_SPLIT configs at real sizes: the merged in_proj_qkv+z and the experts' gate_up."""
+    """The ROOFLINE_INT4_NO_SPLIT configs at real sizes: the merged in_proj_qkv+z (one and four rows) and the experts'
+    gate_up."""
     cfg = {"tc": True, "WN": 1, "KW": kw, "SPLIT_K": 1, "depth": 1}
-    check_int4(1, 20480, 3072, 128, True, torch.bfloat16, GPU, config=cfg)
+    for m in (1, 4):
+        check_int4(m, 20480, 3072, 128, True, torch.bfloat16, GPU, config=cfg)
     check_experts(1, 256, 3072, 1024, 8, 128, torch.bfloat16, GPU, config=cfg)
 
 

@@ -517,18 +517,20 @@ WIDE_TILES = 96 if _DEPTH_ENV == "1" else None  # 128-column tiles from which se
 # and a stream with no split at 3.75 us for 8 MB against 4.37 split 8 ways. With ROOFLINE_INT4_NO_SPLIT=KW a one-row
 # GEMV wide enough to fill the GPU with 32-column programs (>= NO_SPLIT_MIN_N columns: the merged GDN in_proj_qkv+z,
 # attention's q/k/v) and the experts' gate_up run one program per 32 columns over the whole K, its KW warps splitting
-# K and summing in the program (shared memory): no workspace, no arrival round.
+# K and summing in the program (shared memory): no workspace, no arrival round. NO_SPLIT_MAX_ROWS (1; an ab_step variant
+# sets 4) extends it to the GEMVs of a verify step's rows (the mma takes up to 8 token columns at no extra cost).
 _NO_SPLIT_ENV = os.environ.get("ROOFLINE_INT4_NO_SPLIT", "0")
 if _NO_SPLIT_ENV not in ("0", "2", "4", "8"):
     raise ValueError(f"ROOFLINE_INT4_NO_SPLIT must be 0, 2, 4 or 8 (warps along K), got {_NO_SPLIT_ENV!r}")
 NO_SPLIT_WARPS = int(_NO_SPLIT_ENV)
+NO_SPLIT_MAX_ROWS = 1
 NO_SPLIT_MIN_N = 8192
 
 
 def no_split_config(rows: int, n: int | None = None) -> dict | None:
-    """The one-row config without a K split across programs (`NO_SPLIT_WARPS`), or None; `n` None: the experts'
-    gate_up (always wide enough: 8 experts' columns)."""
-    if not NO_SPLIT_WARPS or rows != 1 or (n is not None and n < NO_SPLIT_MIN_N):
+    """The config without a K split across programs (`NO_SPLIT_WARPS`), or None: GEMVs of >= NO_SPLIT_MIN_N columns
+    up to NO_SPLIT_MAX_ROWS rows; `n` None: the experts' gate_up (8 experts' columns), at one token."""
+    if not NO_SPLIT_WARPS or rows > (1 if n is None else NO_SPLIT_MAX_ROWS) or (n is not None and n < NO_SPLIT_MIN_N):
         return None
     return {"WN": 1, "KW": NO_SPLIT_WARPS, "SPLIT_K": 1, "depth": 1}
 
