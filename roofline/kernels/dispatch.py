@@ -449,8 +449,11 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
     if FUSED_SMALL_OPS:
         _install_blocks(model, installed)
     if installed["int4"] or installed["int4 experts"]:
-        from .int4_tc import INT4_DEPTH, WIDE_TILES
+        from .int4_tc import INT4_DEPTH, NO_SPLIT_WARPS, WIDE_TILES
 
+        if NO_SPLIT_WARPS:
+            installed[f"int4 tc without a K split: wide one-row GEMVs and experts gate_up (ROOFLINE_INT4_NO_SPLIT="
+                      f"{NO_SPLIT_WARPS}, experiment)"] += 1
         if INT4_DEPTH == 2:
             installed["int4 tc two-buffer loop at one row too (ROOFLINE_INT4_DEPTH=2)"] += 1
         elif WIDE_TILES is None:
