@@ -830,6 +830,16 @@ def test_gdn_decode_pool_interpreter(bsz, pool, m, hk, hv, dk, dv, dtype, block_
 
 
 @cpu
+def test_gdn_decode_streaming_saves_interpreter(monkeypatch):
+    """ROOFLINE_GDN_STREAMING_SAVES (an experiment: the rollback's state saves stored evict-first) saves the same
+    states (the interpreter ignores the hint; the GPU test checks the compiled kernel)."""
+    from roofline.kernels import gdn_decode as module
+
+    monkeypatch.setattr(module, "STREAMING_SAVES", True)
+    check_gdn_pool(1, 3, 3, 2, 2, 32, 24, torch.float32, "cpu", 16, True, "both", tol=2e-3)
+
+
+@cpu
 @pytest.mark.parametrize("bsz,m,save", [(1, 3, "both"), (2, 2, "none"), (3, 1, "conv")])
 def test_gdn_decode_reads_merged_projections_rows_in_place_interpreter(bsz, m, save):
     """qkv, z, b, a as the merged projections write them (strided rows): the same results as contiguous inputs."""
@@ -841,6 +851,14 @@ def test_gdn_decode_reads_merged_projections_rows_in_place_interpreter(bsz, m, s
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_gdn_decode_pool_gpu(m, merged):
     check_gdn_pool(3, 5, m, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="both", merged=merged)
+
+
+@gpu
+def test_gdn_decode_streaming_saves_gpu(monkeypatch):
+    from roofline.kernels import gdn_decode as module
+
+    monkeypatch.setattr(module, "STREAMING_SAVES", True)
+    check_gdn_pool(3, 5, 3, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="both")
 
 
 def test_gdn_reference_tokens_are_steps():

@@ -435,6 +435,11 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
             if fla:
                 module.recurrence = partial(fla_chunked_recurrence, module)
                 installed["gdn chunked prefill (fla)"] += 1
+    if installed["gdn decode"]:
+        from .gdn_decode import STREAMING_SAVES
+
+        if STREAMING_SAVES:
+            installed["gdn rollback saves stored evict-first (ROOFLINE_GDN_STREAMING_SAVES=1, experiment)"] += 1
     if installed["gdn decode"] and not fla and device.type == "cuda":
         log.warning("GDN prefill runs the PyTorch loop over tokens: fla-core is not installed (pip install 'roofline[gpu]')")
     _install_merged_projections(model, installed)

@@ -37,6 +37,8 @@ a merged projection's output, their rows strided), conv_weight
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -46,6 +48,11 @@ from ._common import (INTERPRET, arrive, counters_for, next_pow2, pdl_options, r
                       wait_for_inputs)
 
 MAX_TOKENS = 5  # tokens per sequence in one step (1 decode token + up to 4 MTP drafts)
+# An experiment for benchmarks/ab_step.py (session 17): the verify step's state saves for the rollback cost 0.24 ms at
+# M = 3 on the 122B (H200: 5.17 against 4.93 ms without), ~3x what their 302 MB of writes take at the copy bandwidth.
+# ROOFLINE_GDN_STREAMING_SAVES=1 stores the saves with the streaming hint (st.global.cs: evict first), since they are
+# read back only after a rejected draft, so they need not displace the L2 lines the step's own reads use.
+STREAMING_SAVES = os.environ.get("ROOFLINE_GDN_STREAMING_SAVES", "0") == "1"
 
 
 def _check_step_outputs(bsz, m, conv_state, state, step_states, step_conv):
@@ -172,6 +179,7 @@ def _gdn_decode_kernel(
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     NVB, KERNEL: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
     HAS_SLOTS: tl.constexpr, SAVE_STATES: tl.constexpr, SAVE_CONV: tl.constexpr, PDL: tl.constexpr = False,
+    SAVE_CS: tl.constexpr = False,
 ):
     vb = tl.program_id(0)
     h = tl.program_id(1)
@@ -222,7 +230,10 @@ def _gdn_decode_kernel(
         if SAVE_STATES:
             if j < M - 1:
                 sp = sstate_ptr + (((bi * (M - 1) + j) * HV + h) * DK + dk[:, None]).to(tl.int64) * DV + vv[None, :]
-                tl.store(sp, s, mask=smask)
+                if SAVE_CS:
+                    tl.store(sp, s, mask=smask, cache_modifier=".cs")
+                else:
+                    tl.store(sp, s, mask=smask)
     tl.store(s_ptrs, s, mask=smask)
     sconv = sconv_ptr + (bi * (M - 1)).to(tl.int64) * (KERNEL - 1) * C
     if SAVE_CONV:
@@ -300,5 +311,6 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
         CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STATES=save_states,
         SAVE_CONV=save_conv, num_warps=num_warps or (2 if not INTERPRET else 1), **pdl_options(qkv.device),
+        SAVE_CS=save_states and STREAMING_SAVES,
     )
     return out

@@ -517,13 +517,16 @@ WIDE_TILES = 96 if _DEPTH_ENV == "1" else None  # 128-column tiles from which se
 # and a stream with no split at 3.75 us for 8 MB against 4.37 split 8 ways. With ROOFLINE_INT4_NO_SPLIT=KW a one-row
 # GEMV wide enough to fill the GPU with 32-column programs (>= NO_SPLIT_MIN_N columns: the merged GDN in_proj_qkv+z,
 # attention's q/k/v) and the experts' gate_up run one program per 32 columns over the whole K, its KW warps splitting
-# K and summing in the program (shared memory): no workspace, no arrival round. NO_SPLIT_MAX_ROWS (1; an ab_step variant
-# sets 4) extends it to the GEMVs of a verify step's rows (the mma takes up to 8 token columns at no extra cost).
+# K and summing in the program (shared memory): no workspace, no arrival round. ROOFLINE_INT4_NO_SPLIT_ROWS=2..4 extends
+# it to the GEMVs of a verify step's rows (NO_SPLIT_MAX_ROWS; the mma takes up to 8 token columns at no extra cost).
 _NO_SPLIT_ENV = os.environ.get("ROOFLINE_INT4_NO_SPLIT", "0")
 if _NO_SPLIT_ENV not in ("0", "2", "4", "8"):
     raise ValueError(f"ROOFLINE_INT4_NO_SPLIT must be 0, 2, 4 or 8 (warps along K), got {_NO_SPLIT_ENV!r}")
 NO_SPLIT_WARPS = int(_NO_SPLIT_ENV)
-NO_SPLIT_MAX_ROWS = 1
+_NO_SPLIT_ROWS_ENV = os.environ.get("ROOFLINE_INT4_NO_SPLIT_ROWS", "1")
+if _NO_SPLIT_ROWS_ENV not in ("1", "2", "3", "4"):
+    raise ValueError(f"ROOFLINE_INT4_NO_SPLIT_ROWS must be 1..4, got {_NO_SPLIT_ROWS_ENV!r}")
+NO_SPLIT_MAX_ROWS = int(_NO_SPLIT_ROWS_ENV)
 NO_SPLIT_MIN_N = 8192
 
 
