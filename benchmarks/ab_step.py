@@ -30,6 +30,7 @@ VARIANTS = {
     "router-two-rows": ("ROOFLINE_ROUTER_ROWS=2", [("roofline.kernels.blocks", "FUSED_ROUTE_ROWS", 2)]),
     "no-split-4": ("ROOFLINE_INT4_NO_SPLIT=4", [("roofline.kernels.int4_tc", "NO_SPLIT_WARPS", 4)]),
     "no-split-8": ("ROOFLINE_INT4_NO_SPLIT=8", [("roofline.kernels.int4_tc", "NO_SPLIT_WARPS", 8)]),
+    "router-no-split": ("ROOFLINE_ROUTER_NO_SPLIT=1", [("roofline.kernels.blocks", "ROUTER_NO_SPLIT", True)]),
     "gdn-streaming-saves": ("ROOFLINE_GDN_STREAMING_SAVES=1", [("roofline.kernels.gdn_decode", "STREAMING_SAVES", True)]),
     "no-split-4-verify": ("ROOFLINE_INT4_NO_SPLIT=4 ROOFLINE_INT4_NO_SPLIT_ROWS=4",
                           [("roofline.kernels.int4_tc", "NO_SPLIT_WARPS", 4), ("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 4)]),

@@ -218,9 +218,25 @@ def test_router_gemv_routes_as_the_top_k_kernel(merged):
 @runs_here
 @pytest.mark.parametrize("rows", [3, 4])
 def test_router_routes_three_and_four_rows_in_one_launch(monkeypatch, rows):
-    """The default ROOFLINE_ROUTER_ROWS=4: a verify step's 3-4 rows route in the
-    GEMV's epilogue, on ROUTER_ROWS_CONFIG's tiles, exactly as route_top_k on that GEMV's logits; the shared
-    expert's gate logit is the merged weight's last column."""
+    """The default ROOFLINE_ROUTER_ROWS=4: a verify step's 3-4 rows route in the GEMV's epilogue, on
+    ROUTER_ROWS_CONFIG's tiles."""
+    check_router_rows_config(monkeypatch, rows, "ROUTER_ROWS_CONFIG")
+
+
+@runs_here
+@pytest.mark.parametrize("rows", [1, 2])
+def test_router_without_a_k_split_routes_as_the_top_k_kernel(monkeypatch, rows):
+    """ROOFLINE_ROUTER_NO_SPLIT (an experiment): one or two rows route on ROUTER_NO_SPLIT_CONFIG's tiles (one program
+    per output row, no K split), exactly as route_top_k on that GEMV's logits."""
+    from roofline.kernels import blocks
+
+    monkeypatch.setattr(blocks, "ROUTER_NO_SPLIT", True)
+    check_router_rows_config(monkeypatch, rows, "ROUTER_NO_SPLIT_CONFIG")
+
+
+def check_router_rows_config(monkeypatch, rows, config_name):
+    """`_route` on `rows` rows routes in its GEMV's epilogue exactly as route_top_k on the logits of the same GEMV on
+    blocks.<config_name>'s tiles; the shared expert's gate logit is the merged weight's last column."""
     import types
 
     from roofline.kernels import blocks
@@ -240,6 +256,6 @@ def test_router_routes_three_and_four_rows_in_one_launch(monkeypatch, rows):
     x = torch.randn(rows, 256, device=DEVICE).to(dtype)
     monkeypatch.setattr(blocks, "FUSED_ROUTE_ROWS", 4)
     experts, weights, gate_logit = blocks._route(moe, x)
-    logits = dense_matmul(x, moe.merged["router"].merged.weight, config=blocks.ROUTER_ROWS_CONFIG)
+    logits = dense_matmul(x, moe.merged["router"].merged.weight, config=getattr(blocks, config_name))
     assert_same_routing((experts, weights), route_top_k(logits[:, :64], 8))
     assert torch.equal(gate_logit, logits[:, 64:])

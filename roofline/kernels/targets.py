@@ -61,16 +61,19 @@ def _cases():
            "weights_ptr": "*fp32", "ids_ptr": "*i64"}
     base = {"SBN": 128, "SBK": 128, "SPLITP": 8, "PDL": True, "KP": 1, "BE": 1, "NTP": 32, "GROUPED": False,
             "NORM_OUT": False, "ids_ptr": None}
-    for name, extra in [("shared gate_up (4 x 512, norm on load)",
-                         {"BM": 1, "BN": 4, "BK": 512, "HAS_SCALE": True, "TOPK": 0, "NORM": True, "GATED": False,
-                          "experts_ptr": None, "weights_ptr": None}),
-                        ("shared down (4 x 512, silu * up on load), 4 rows",
-                         {"BM": 4, "BN": 4, "BK": 512, "HAS_SCALE": True, "TOPK": 0, "NORM": False, "GATED": True,
-                          "experts_ptr": None, "weights_ptr": None, "ss_ptr": None, "nw_ptr": None, "normed_ptr": None}),
-                        ("router + top-8 (8 x 128)",
-                         {"BM": 1, "BN": 8, "BK": 128, "HAS_SCALE": False, "TOPK": 8, "KP": 8, "BE": 256, "NORM": True,
-                          "NORM_OUT": True, "GATED": False})]:
-        cases.append((f"fp8 gemv: {name}", _fp8_gemv_kernel, {**base, **extra}, fp8, ("eps",), 1, 1))
+    router = {"HAS_SCALE": False, "TOPK": 8, "KP": 8, "BE": 256, "NORM": True, "NORM_OUT": True, "GATED": False}
+    for name, extra, warps in [
+        ("shared gate_up (8 x 128, norm on load)", {"BM": 1, "BN": 8, "BK": 128, "HAS_SCALE": True, "TOPK": 0,
+                                                    "NORM": True, "GATED": False, "experts_ptr": None, "weights_ptr": None}, 1),
+        ("shared down (8 x 128), 4 rows", {"BM": 4, "BN": 8, "BK": 128, "HAS_SCALE": True, "TOPK": 0, "NORM": False,
+                                           "GATED": False, "experts_ptr": None, "weights_ptr": None, "ss_ptr": None,
+                                           "nw_ptr": None, "normed_ptr": None}, 1),
+        ("router + top-8 (8 x 128)", {"BM": 1, "BN": 8, "BK": 128, **router}, 1),
+        ("router + top-8, 4 rows (blocks.ROUTER_ROWS_CONFIG)", {"BM": 4, "BN": 8, "BK": 256, **router}, 2),
+        ("router + top-8 without a K split (blocks.ROUTER_NO_SPLIT_CONFIG)", {"BM": 1, "BN": 1, "BK": 1024, **router}, 2),
+    ]:
+        pointers = {**fp8, "w_ptr": "*bf16"} if extra["TOPK"] else fp8  # the router's weight is 16-bit
+        cases.append((f"fp8 gemv: {name}", _fp8_gemv_kernel, {**base, **extra}, pointers, ("eps",), warps, 1))
     return cases
 
 
