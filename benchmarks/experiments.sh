@@ -3,7 +3,7 @@
 # device call (session 17: a warm H200 ran `one`, the old name of `next`'s shape, in 178 s):
 #   OUT=... bash benchmarks/experiments.sh next     # session 17's GPU tests (the no-split INT4 configs, the router at
 #                                                   # 3-4 rows, graph tokens), then the A/B of the no-split configs
-#                                                   # and the shapes (~4 min)
+#                                                   # and the shapes (~6 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # where an MTP-2 step through Engine.step spends its time
@@ -55,7 +55,7 @@ case "${1:-}" in
     gpu_tests 60 -m gpu tests/test_kernels.py -k "no_split or one_buffer or grouped_dense or residual_and_norm or streaming_saves"
     gpu_tests 30 tests/test_small_ops.py -k "router"  # unmarked: no -m gpu
     gpu_tests 90 -m gpu tests/test_pooled_decode.py -k cuda_graph_greedy  # graph tokens = reference, MTP-2 too
-    timeout 150 python3 benchmarks/ab_step.py --variants no-split-4,no-split-8,no-split-4-verify,router-no-split,gdn-streaming-saves --rounds 2 2>&1 | tail -8
+    timeout 220 python3 benchmarks/ab_step.py --variants no-split-4,no-split-8,no-split-4-verify,router-no-split,gdn-streaming-saves --rounds 2 2>&1 | tail -10
     bash "$0" shapes
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
