@@ -31,6 +31,7 @@ VARIANTS = {
     "no-split-4": ("ROOFLINE_INT4_NO_SPLIT=4", [("roofline.kernels.int4_tc", "NO_SPLIT_WARPS", 4)]),
     "no-split-8": ("ROOFLINE_INT4_NO_SPLIT=8", [("roofline.kernels.int4_tc", "NO_SPLIT_WARPS", 8)]),
     "router-no-split": ("ROOFLINE_ROUTER_NO_SPLIT=1", [("roofline.kernels.blocks", "ROUTER_NO_SPLIT", True)]),
+    "gdn-whole-head": ("ROOFLINE_GDN_WHOLE_HEAD=1", [("roofline.kernels.gdn_decode", "WHOLE_HEAD_PROGRAMS", True)]),
     "gdn-streaming-saves": ("ROOFLINE_GDN_STREAMING_SAVES=1", [("roofline.kernels.gdn_decode", "STREAMING_SAVES", True)]),
     "no-split-4-verify": ("ROOFLINE_INT4_NO_SPLIT=4 ROOFLINE_INT4_NO_SPLIT_ROWS=4",
                           [("roofline.kernels.int4_tc", "NO_SPLIT_WARPS", 4), ("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 4)]),

@@ -52,10 +52,10 @@ gpu_tests() {  # time limit, pytest arguments...
 }
 case "${1:-}" in
   next)  # session 17's work: GPU tests, then the no-split A/B, then the shapes
-    gpu_tests 60 -m gpu tests/test_kernels.py -k "no_split or one_buffer or grouped_dense or residual_and_norm or streaming_saves"
+    gpu_tests 60 -m gpu tests/test_kernels.py -k "no_split or one_buffer or grouped_dense or residual_and_norm or streaming_saves or whole_head"
     gpu_tests 30 tests/test_small_ops.py -k "router"  # unmarked: no -m gpu
     gpu_tests 90 -m gpu tests/test_pooled_decode.py -k cuda_graph_greedy  # graph tokens = reference, MTP-2 too
-    timeout 220 python3 benchmarks/ab_step.py --variants no-split-4,no-split-8,no-split-4-verify,router-no-split,gdn-streaming-saves --rounds 2 2>&1 | tail -10
+    timeout 260 python3 benchmarks/ab_step.py --variants no-split-4,no-split-8,no-split-4-verify,router-no-split,gdn-whole-head,gdn-streaming-saves --rounds 2 2>&1 | tail -10
     bash "$0" shapes
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
@@ -86,7 +86,7 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/kernels.py --only attn 2>&1 | tail -40
     ;;
   ab)  # predictions in NOTES-kernels "Session 17"; the JSON has every round
-    timeout 300 python3 benchmarks/ab_step.py --variants no-split-4,no-split-8,no-split-4-verify,router-no-split,gdn-streaming-saves,router-two-rows,depth-one-row --rounds 3 2>&1 \
+    timeout 300 python3 benchmarks/ab_step.py --variants no-split-4,no-split-8,no-split-4-verify,router-no-split,gdn-whole-head,gdn-streaming-saves,router-two-rows,depth-one-row --rounds 3 2>&1 \
       | tail -30
     ;;
   ab-order)  # the MTP engine keeps GPTQ order because its verify rows measured faster there on one id repeated

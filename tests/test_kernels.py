@@ -708,6 +708,7 @@ def check_gdn(bsz, hk, hv, dk, dv, dtype, device, block_v=None, steps=3, tol=1e-
     (2, 2, 4, 16, 16, torch.float32, 8),
     (3, 1, 3, 12, 20, torch.float16, 8),   # 3 value heads per key head, dv not a multiple of the block
     (1, 2, 2, 32, 24, torch.float32, 16),
+    (2, 1, 3, 12, 20, torch.float16, None),  # one program per head (the interpreter's default): its gated norm in it
 ])
 def test_gdn_decode_interpreter(bsz, hk, hv, dk, dv, dtype, block_v):
     check_gdn(bsz, hk, hv, dk, dv, dtype, "cpu", block_v, tol=2e-3)
@@ -718,6 +719,20 @@ def test_gdn_decode_interpreter(bsz, hk, hv, dk, dv, dtype, block_v):
 @pytest.mark.parametrize("block_v", [16, 32])
 def test_gdn_decode_gpu(bsz, block_v):
     check_gdn(bsz, 16, 64, 128, 128, torch.bfloat16, GPU, block_v)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 3])
+def test_gdn_decode_whole_head_gpu(monkeypatch, m):
+    """ROOFLINE_GDN_WHOLE_HEAD (an experiment): one program of 8 warps per value head at 122B sizes, one token and
+    a verify step's three with the rollback saves."""
+    from roofline.kernels import gdn_decode as module
+
+    monkeypatch.setattr(module, "WHOLE_HEAD_PROGRAMS", True)
+    if m == 1:
+        check_gdn(3, 16, 64, 128, 128, torch.bfloat16, GPU)
+    else:
+        check_gdn_pool(2, 4, m, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="both")
 
 
 def test_gdn_reference_matches_model():

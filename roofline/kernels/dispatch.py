@@ -436,10 +436,12 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
                 module.recurrence = partial(fla_chunked_recurrence, module)
                 installed["gdn chunked prefill (fla)"] += 1
     if installed["gdn decode"]:
-        from .gdn_decode import STREAMING_SAVES
+        from .gdn_decode import STREAMING_SAVES, WHOLE_HEAD_PROGRAMS
 
         if STREAMING_SAVES:
             installed["gdn rollback saves stored evict-first (ROOFLINE_GDN_STREAMING_SAVES=1, experiment)"] += 1
+        if WHOLE_HEAD_PROGRAMS:
+            installed["gdn decode one program per value head (ROOFLINE_GDN_WHOLE_HEAD=1, experiment)"] += 1
     if installed["gdn decode"] and not fla and device.type == "cuda":
         log.warning("GDN prefill runs the PyTorch loop over tokens: fla-core is not installed (pip install 'roofline[gpu]')")
     _install_merged_projections(model, installed)
