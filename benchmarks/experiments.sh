@@ -2,8 +2,8 @@
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 17"), as phases that each fit one 10-minute
 # device call (session 17: a warm H200 ran `one`, the old name of `next`'s shape, in 178 s):
 #   OUT=... bash benchmarks/experiments.sh next     # session 17's GPU tests (the no-split INT4 configs, the router at
-#                                                   # 3-4 rows, graph tokens), then the A/B of the no-split configs
-#                                                   # and the shapes (~6 min)
+#                                                   # 1-4 rows, the GDN variants, graph tokens), then the A/B of
+#                                                   # session 17's six experiments (~7 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # where an MTP-2 step through Engine.step spends its time
@@ -51,12 +51,11 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  next)  # session 17's work: GPU tests, then the no-split A/B, then the shapes
+  next)  # session 17's work: GPU tests, then the A/B of its experiments
     gpu_tests 60 -m gpu tests/test_kernels.py -k "no_split or one_buffer or grouped_dense or residual_and_norm or streaming_saves or whole_head"
     gpu_tests 30 tests/test_small_ops.py -k "router"  # unmarked: no -m gpu
     gpu_tests 90 -m gpu tests/test_pooled_decode.py -k cuda_graph_greedy  # graph tokens = reference, MTP-2 too
     timeout 260 python3 benchmarks/ab_step.py --variants no-split-4,no-split-8,no-split-4-verify,router-no-split,gdn-whole-head,gdn-streaming-saves --rounds 2 2>&1 | tail -10
-    bash "$0" shapes
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
