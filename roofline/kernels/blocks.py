@@ -115,12 +115,12 @@ def _route(moe: SparseMoE, x: torch.Tensor, norm: NormOnLoad | None = None) -> t
         logits, gate_logit = moe.merged["router"](x)
         experts, weights = route_top_k(logits, moe.top_k)
     else:
-        e = moe.gate.out_features
-        if row_count(x) > FUSED_ROUTE_ROWS:
+        e, rows = moe.gate.out_features, row_count(x)
+        if rows > FUSED_ROUTE_ROWS:
             logits = fp8_matmul(x, *operands, norm=norm)
             experts, weights = route_top_k(logits[..., :e], moe.top_k)
         else:
-            config = ROUTER_ROWS_CONFIG if row_count(x) > 2 else ROUTER_NO_SPLIT_CONFIG if ROUTER_NO_SPLIT else None
+            config = ROUTER_ROWS_CONFIG if rows > 2 else ROUTER_NO_SPLIT_CONFIG if ROUTER_NO_SPLIT else None
             logits, experts, weights = router_top_k(x, *operands, e, moe.top_k, norm=norm, config=config)
         if moe.merged["router"].merged is not None:
             gate_logit = logits[..., e:]

@@ -53,14 +53,11 @@ def _cases():
                                 "out_ptr", "sconv_ptr")}
     gdn.update(alog_ptr="*fp32", state_ptr="*fp32", o_ws="*fp32", cnt_ptr="*i32", slot_ptr="*i32", sstate_ptr="*fp32")
     for m in (1, 3):
-        cases.append((f"gdn decode M={m}", _gdn_decode_kernel,
-                      {"GROUP": 4, "GROUPP": 4, "BDK": 128, "BDV": 128, "BV": 16, "KERNEL": 4, "CONV_TY": tl.bfloat16,
-                       "M": m, "HAS_SLOTS": True, "SAVE_STATES": m > 1, "SAVE_CONV": m > 1, "PDL": True, "SAVE_CS": False,
-                       "WHOLE_HEAD": False}, gdn, ("eps",), 2, 1))
-        cases.append((f"gdn decode M={m}, one program per head (ROOFLINE_GDN_WHOLE_HEAD)", _gdn_decode_kernel,
-                      {"GROUP": 4, "GROUPP": 4, "BDK": 128, "BDV": 128, "BV": 128, "KERNEL": 4, "CONV_TY": tl.bfloat16,
-                       "M": m, "HAS_SLOTS": True, "SAVE_STATES": m > 1, "SAVE_CONV": m > 1, "PDL": True,
-                       "SAVE_CS": False, "WHOLE_HEAD": True}, gdn, ("eps",), 8, 1))
+        consts = {"GROUP": 4, "GROUPP": 4, "BDK": 128, "BDV": 128, "KERNEL": 4, "CONV_TY": tl.bfloat16, "M": m,
+                  "HAS_SLOTS": True, "SAVE_STATES": m > 1, "SAVE_CONV": m > 1, "PDL": True, "SAVE_CS": False}
+        for name, bv, whole, warps in [(f"gdn decode M={m}", 16, False, 2),
+                                       (f"gdn decode M={m}, one program per head (ROOFLINE_GDN_WHOLE_HEAD)", 128, True, 8)]:
+            cases.append((name, _gdn_decode_kernel, {**consts, "BV": bv, "WHOLE_HEAD": whole}, gdn, ("eps",), warps, 1))
     fp8 = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
            "cnt_ptr": "*i32", "ss_ptr": "*fp32", "nw_ptr": "*bf16", "normed_ptr": "*bf16", "experts_ptr": "*i64",
            "weights_ptr": "*fp32", "ids_ptr": "*i64"}
