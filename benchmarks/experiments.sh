@@ -62,8 +62,11 @@ case "${1:-}" in
       --capacity "$(capacity)" --engine-tokens 256 --batch-decode 0 --profile --out "$OUT/$day-synthetic-qwen3.5-122b-a10b.json" 2>&1 \
       | tee "$OUT/synthetic-122b.log" | grep -v "^| _\|^| void" | tail -70
     ;;
-  mtp)
-    timeout 200 python3 benchmarks/profile_mtp_engine.py --shape qwen3.5-122b-a10b --steps 20 2>&1 | tail -60
+  mtp)  # the profile, then without PDL: graph launch host costs (unprofiled) against the default's
+    timeout 200 python3 benchmarks/profile_mtp_engine.py --shape qwen3.5-122b-a10b --steps 20 2>&1 \
+      | grep -v '"start"\|"end"\|"kernels"\|"first"\|^  [{}]' | tail -80
+    ROOFLINE_PDL=0 timeout 150 python3 benchmarks/profile_mtp_engine.py --shape qwen3.5-122b-a10b --steps 20 --no-profile \
+      2>&1 | tail -40
     ;;
   shapes)  # the 35B-A3B and 27B rows (decode at 0 / 8K / 32K, M rows), ~2 min
     for shape in qwen3.5-35b-a3b qwen3.5-27b; do

@@ -26,6 +26,7 @@ from roofline.checkpoint.shapes import resolve_layout
 from roofline.engine.graphs import DecodeGraphs
 from roofline.engine.sampling import SamplingParams
 from roofline.engine.speculative import MtpSpeculator, SpeculativeConfig
+from roofline.kernels._common import pdl_supported
 from roofline.kernels.dispatch import install_fast_path
 
 LABELLED = [(MtpSpeculator, "draft"), (MtpSpeculator, "verify"), (MtpSpeculator, "_head"), (MtpSpeculator, "_accept"),
@@ -53,6 +54,7 @@ def main():
     ap.add_argument("--mtp", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=24)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--no-profile", action="store_true", help="only the unprofiled step times and graph launch costs")
     args = ap.parse_args()
     formats = resolve_layout("hybrid", {"lm_head": "int8"})  # bench synthetic's default layout
     model, _ = build_synthetic_model(args.shape, formats, "cuda", layers=args.layers)
@@ -64,6 +66,13 @@ def main():
     for _ in range(args.warmup):  # the prefill, then steps that capture every graph
         engine.step()
     torch.cuda.synchronize()
+    walls = step_walls(engine, args.steps)  # without the profiler, whose tracing slows graph launches
+    meta = {"shape": args.shape, "layers": args.layers, "mtp": args.mtp, "pdl": pdl_supported(model.device),
+            "unprofiled_step_ms_median": sorted(walls)[len(walls) // 2], "unprofiled_step_ms": walls}
+    if args.no_profile:
+        meta["graph_launches"] = graph_launches(engine)
+        print(json.dumps(meta, indent=1))
+        return
     walls = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
@@ -72,7 +81,8 @@ def main():
                 engine.step()
             walls.append((time.perf_counter() - start) * 1e3)
         torch.cuda.synchronize()
-    result = summarise(prof, walls, {"shape": args.shape, "layers": args.layers, "mtp": args.mtp})
+    result = summarise(prof, walls, meta)
+    result["graph_launches"] = graph_launches(engine)  # last: its replays move the sequence's caches
     print(f"{args.shape}: MTP-{args.mtp} through Engine.step, median {result['step_ms_median']:.2f} ms a step, "
           f"GPU kernels {result['gpu_kernel_ms_per_step']:.2f} ms a step")
     for key in ("host_ranges_ms_per_step", "gpu_ranges_ms_per_step"):
@@ -82,6 +92,43 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile-mtp-engine.json").write_text(json.dumps(result, indent=1))
     print("last step:", json.dumps(result["last_step"], indent=1))
+    print(f"unprofiled: median {meta['unprofiled_step_ms_median']:.2f} ms a step; graph launches onto an idle GPU:")
+    for g in result["graph_launches"]:
+        print(json.dumps(g))
+
+
+def step_walls(engine, steps: int) -> list[float]:
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append((time.perf_counter() - start) * 1e3)
+    return walls
+
+
+def graph_launches(engine) -> list[dict]:
+    """Per captured graph: the host time of one replay launched onto an idle GPU and the GPU time it takes (median
+    of 10), without the profiler. A launch's host time is GPU idle time wherever the host launches after the GPU
+    drained (the verify graph after the drafts' launches, the next step's drafts after the outcome read)."""
+    graphs = []
+    for name, runner in (("main", engine.graphs), ("mtp head", engine.speculator.draft_graphs)):
+        for (b, m, span), buf in runner.buffers.items():
+            if buf.graph is None:
+                continue
+            host, gpu = [], []
+            for _ in range(10):
+                torch.cuda.synchronize()
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                t = time.perf_counter()
+                buf.graph.replay()
+                host.append((time.perf_counter() - t) * 1e6)
+                end.record()
+                torch.cuda.synchronize()
+                gpu.append(begin.elapsed_time(end) * 1e3)
+            graphs.append({"graph": name, "batch": b, "m": m, "span": span, "launch_host_us": sorted(host)[5],
+                           "gpu_us": sorted(gpu)[5]})
+    return graphs
 
 
 def summarise(prof, walls: list[float], meta: dict) -> dict:
