@@ -1,6 +1,6 @@
 """Experiment: several A/B comparisons of the decode step in one process, on one synthetic model built once.
 
-    PYTHONPATH=$PWD python benchmarks/ab_step.py --variants depth-one-row,router-two-rows [--shape qwen3.5-122b-a10b]
+    PYTHONPATH=$PWD python benchmarks/ab_step.py --variants router-split,int4-split-verify [--shape qwen3.5-122b-a10b]
         [--rounds 3] [--repeats 20]            (CUDA; JSON to $OUT/ab_step.json, else benchmarks/results/)
 
 Why: each `experiments.sh ab*` phase runs `bench synthetic` four times, and each run builds the 122B's random weights
@@ -23,18 +23,18 @@ import os
 import statistics
 from pathlib import Path
 
-# variant -> (the environment switch it mirrors, [(module, attribute, value while the variant runs)])
+# variant -> (the environment switch it mirrors, or for a measured default's previous behaviour the module constant it
+# sets as "module.ATTR=value", [(module, attribute, value while the variant runs)])
 VARIANTS = {
     "depth-one-row": ("ROOFLINE_INT4_DEPTH=one-row", [("roofline.kernels.int4_tc", "WIDE_TILES", None)]),
     "depth-2": ("ROOFLINE_INT4_DEPTH=2", [("roofline.kernels.int4_tc", "INT4_DEPTH", 2)]),
     "router-two-rows": ("ROOFLINE_ROUTER_ROWS=2", [("roofline.kernels.blocks", "FUSED_ROUTE_ROWS", 2)]),
-    "no-split-4": ("ROOFLINE_INT4_NO_SPLIT=4", [("roofline.kernels.int4_tc", "NO_SPLIT_WARPS", 4)]),
-    "no-split-8": ("ROOFLINE_INT4_NO_SPLIT=8", [("roofline.kernels.int4_tc", "NO_SPLIT_WARPS", 8)]),
-    "router-no-split": ("ROOFLINE_ROUTER_NO_SPLIT=1", [("roofline.kernels.blocks", "ROUTER_NO_SPLIT", True)]),
-    "gdn-whole-head": ("ROOFLINE_GDN_WHOLE_HEAD=1", [("roofline.kernels.gdn_decode", "WHOLE_HEAD_PROGRAMS", True)]),
-    "gdn-streaming-saves": ("ROOFLINE_GDN_STREAMING_SAVES=1", [("roofline.kernels.gdn_decode", "STREAMING_SAVES", True)]),
-    "no-split-4-verify": ("ROOFLINE_INT4_NO_SPLIT=4 ROOFLINE_INT4_NO_SPLIT_ROWS=4",
-                          [("roofline.kernels.int4_tc", "NO_SPLIT_WARPS", 4), ("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 4)]),
+    # session 18's defaults against what they replaced: the router's 1-2 rows on the split config, no INT4 GEMV of the
+    # verify rows without a K split
+    "router-split": ("roofline.kernels.blocks.ROUTER_FEW_ROWS_CONFIG=None",
+                     [("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG", None)]),
+    "int4-split-verify": ("roofline.kernels.int4_tc.NO_SPLIT_MAX_ROWS=1",
+                          [("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 1)]),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),
@@ -43,7 +43,8 @@ VARIANTS = {
 
 @contextlib.contextmanager
 def variant(name: str):
-    """Inside the block the kernels run as with the variant's environment switch; the defaults come back after."""
+    """Inside the block the kernels run as with the variant's environment switch (or module constant); the defaults
+    come back after."""
     if name == "default":
         yield
         return

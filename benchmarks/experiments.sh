@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 17"), as phases that each fit one 10-minute
 # device call (session 17: a warm H200 ran `one`, the old name of `next`'s shape, in 178 s):
-#   OUT=... bash benchmarks/experiments.sh next     # session 17's GPU tests (the no-split INT4 configs, the router at
-#                                                   # 1-4 rows, the GDN variants, graph tokens), then the A/B of
-#                                                   # session 17's six experiments (~7 min)
+#   OUT=... bash benchmarks/experiments.sh next     # the GPU tests of session 18's defaults (the verify rows' INT4
+#                                                   # GEMVs without a K split, the router at 1-4 rows, the GDN
+#                                                   # kernel, graph tokens), then the A/B of those defaults against
+#                                                   # what they replaced (router-split, int4-split-verify) (~5 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # where an MTP-2 step through Engine.step spends its time
@@ -19,9 +20,9 @@
 #                                                   # (~1 min; measured in session 17)
 #   OUT=... bash benchmarks/experiments.sh ab       # in one process on one 122B build (benchmarks/ab_step.py), 3
 #                                                   # alternating rounds of the M = 1 and M = 3 (verify) graphs: the
-#                                                   # default against the no-split INT4 configs (session 17), the
-#                                                   # router's separate top-k past two rows and the one-buffer loop
-#                                                   # at one row only (both measured slower in session 17) (~2 min)
+#                                                   # default against session 17's router and INT4 configs (session
+#                                                   # 18's defaults replaced them) and the router's separate top-k
+#                                                   # past two rows (measured slower in session 17) (~2 min)
 #   OUT=... bash benchmarks/experiments.sh ab-order # INT4 qweights in GPTQ order (what an engine with MTP keeps)
 #                                                   # against block-repacked, now on distinct-id verify rows (~8 min;
 #                                                   # chosen at install time, so two bench runs each round)
@@ -51,11 +52,11 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  next)  # session 17's work: GPU tests, then the A/B of its experiments
-    gpu_tests 60 -m gpu tests/test_kernels.py -k "no_split or one_buffer or grouped_dense or residual_and_norm or streaming_saves or whole_head"
+  next)  # session 18's defaults: GPU tests, then the A/B against what they replaced
+    gpu_tests 90 -m gpu tests/test_kernels.py -k "no_split or one_buffer or grouped_dense or residual_and_norm or gdn_decode"
     gpu_tests 30 tests/test_small_ops.py -k "router"  # unmarked: no -m gpu
     gpu_tests 90 -m gpu tests/test_pooled_decode.py -k cuda_graph_greedy  # graph tokens = reference, MTP-2 too
-    timeout 260 python3 benchmarks/ab_step.py --variants no-split-4,no-split-8,no-split-4-verify,router-no-split,gdn-whole-head,gdn-streaming-saves --rounds 2 2>&1 | tail -10
+    timeout 200 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify --rounds 2 2>&1 | tail -10
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
@@ -88,7 +89,7 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/kernels.py --only attn 2>&1 | tail -40
     ;;
   ab)  # predictions in NOTES-kernels "Session 17"; the JSON has every round
-    timeout 300 python3 benchmarks/ab_step.py --variants no-split-4,no-split-8,no-split-4-verify,router-no-split,gdn-whole-head,gdn-streaming-saves,router-two-rows,depth-one-row --rounds 3 2>&1 \
+    timeout 300 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify,router-two-rows --rounds 3 2>&1 \
       | tail -30
     ;;
   ab-order)  # the MTP engine keeps GPTQ order because its verify rows measured faster there on one id repeated

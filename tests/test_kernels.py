@@ -126,8 +126,8 @@ def test_int4_matmul_interpreter(m, n, k, group, sym, config):
     (2, 64, 768, False, {"tc": True, "KW": 1, "SPLIT_K": 1}),   # 6 steps in one program: the loop runs 3 times
     (3, 64, 640, False, {"tc": True, "KW": 1, "SPLIT_K": 2, "depth": 1}),  # one-buffer loop, 3 and 2 steps a split
     (1, 64, 512, True, {"tc": True, "KW": 2, "depth": 1}),      # one-buffer loop, two warp rows
-    (1, 96, 1024, False, {"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 1, "depth": 1}),  # ROOFLINE_INT4_NO_SPLIT=4
-    (4, 64, 512, True, {"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 1, "depth": 1}),    # ... at a verify step's rows
+    (3, 96, 1024, False, {"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 1, "depth": 1}),  # no_split_config (verify rows)
+    (4, 64, 512, True, {"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 1, "depth": 1}),    # ... at four rows
 ])
 def test_int4_tc_interpreter(m, n, k, sym, config):
     """The tensor-core path (int4_tc) with its per-thread asm emulated in plain Triton: loads, column map, split K."""
@@ -328,7 +328,6 @@ def test_experts_down_adds_shared_and_residual_interpreter(t, config):
     (1, {"tc": True}),
     (3, {"tc": True, "SPLIT_K": 2}),   # shared experts among tokens, split K
     (3, {"tc": True, "SPLIT_K": 2, "depth": 1}),  # the one-buffer loop
-    (1, {"tc": True, "WN": 1, "KW": 2, "SPLIT_K": 1, "depth": 1}),  # ROOFLINE_INT4_NO_SPLIT=2
 ])
 def test_experts_tc_interpreter(t, config):
     """The grouped experts on the int4_tc path (group 128, fp16), asm emulated."""
@@ -343,48 +342,56 @@ def test_experts_gpu(t, tc):
 
 
 def test_wide_gemvs_of_several_rows_take_the_one_buffer_loop(monkeypatch):
-    """On the GPU every one-row call and the GEMVs of 2..4 rows over wide weights (the 122B verify step's merged
-    in_proj_qkv+z and attention q/k/v) take the one-buffer loop at 6 programs per SM; out_proj-sized GEMVs and the
-    experts kernels at several tokens keep the two-buffer loop, which the run-11b sweep had faster there."""
+    """On the GPU every one-row call takes the one-buffer loop at 6 programs per SM, and so do the GEMVs of 2..4 rows
+    over wide weights (the 122B verify step's merged in_proj_qkv+z and attention q/k/v) where they keep a K split
+    (NO_SPLIT_MAX_ROWS lowered: ab_step's int4-split-verify); out_proj-sized GEMVs and the experts kernels at several
+    tokens keep the two-buffer loop, which the run-11b sweep had faster there."""
     from roofline.kernels import int4_tc
 
     monkeypatch.setattr(int4_tc, "INTERPRET", False)
-    for m, n in [(1, 3072), (3, 20480), (4, 17408), (2, 12288)]:
-        assert int4_tc.default_tc_config(m, n, 3072) == {"WN": 4, "KW": 1, "programs_per_sm": 6.0, "depth": 1}, (m, n)
+    one_buffer = {"WN": 4, "KW": 1, "programs_per_sm": 6.0, "depth": 1}
+    for n in (3072, 20480, 17408):
+        assert int4_tc.default_tc_config(1, n, 3072) == one_buffer, n
     assert "depth" not in int4_tc.default_tc_config(3, 3072, 8192)  # out_proj
     assert int4_tc.one_buffer_loop(1) and not int4_tc.one_buffer_loop(3)  # the experts pass no width
+    monkeypatch.setattr(int4_tc, "NO_SPLIT_MAX_ROWS", 1)
+    for m, n in [(3, 20480), (4, 17408), (2, 12288)]:
+        assert int4_tc.default_tc_config(m, n, 3072) == one_buffer, (m, n)
     monkeypatch.setattr(int4_tc, "WIDE_TILES", None)  # ROOFLINE_INT4_DEPTH=one-row
     assert "depth" not in int4_tc.default_tc_config(3, 20480, 3072) and int4_tc.one_buffer_loop(1)
 
 
-def test_no_split_config_is_asked_for_and_reaches_the_wide_one_row_calls(monkeypatch):
-    """ROOFLINE_INT4_NO_SPLIT=KW (an experiment): one-row GEMVs of >= 8192 columns and the experts' gate_up at one
-    token run one program per 32 columns over the whole K, KW warps splitting K; out_proj-sized GEMVs and several
-    rows keep their configs; off (0) by default."""
+def test_the_verify_rows_wide_gemvs_run_without_a_k_split(monkeypatch):
+    """GEMVs of 2..4 rows over >= 8192 columns (the verify step's merged in_proj_qkv+z and attention q/k/v) run one
+    program per 32 columns over the whole K, 4 warps splitting K (H100, session 18: M = 3 0.029 ms faster); one-row
+    calls, narrower GEMVs and the experts kernels keep their K splits; NO_SPLIT_MAX_ROWS = 1 (ab_step's
+    int4-split-verify) turns it off."""
     from roofline.kernels import int4_experts, int4_tc
 
-    assert int4_tc.NO_SPLIT_WARPS == 0 and int4_tc.no_split_config(1, 20480) is None
     monkeypatch.setattr(int4_tc, "INTERPRET", False)
     monkeypatch.setattr(int4_experts, "INTERPRET", False)
-    monkeypatch.setattr(int4_tc, "NO_SPLIT_WARPS", 4)
     no_split = {"WN": 1, "KW": 4, "SPLIT_K": 1, "depth": 1}
-    assert int4_tc.default_tc_config(1, 20480, 3072) == no_split and int4_tc.default_tc_config(1, 17408, 3072) == no_split
-    assert int4_tc.default_tc_config(1, 3072, 8192)["WN"] == 4 and int4_tc.default_tc_config(3, 20480, 3072)["WN"] == 4
-    assert int4_experts._tc_expert_config(1, None) == no_split
+    for m, n in [(2, 20480), (3, 20480), (4, 17408), (3, 8192)]:
+        assert int4_tc.default_tc_config(m, n, 3072) == no_split, (m, n)
+    a, b = int4_tc.default_tc_config(3, 20480, 3072), int4_tc.default_tc_config(3, 20480, 3072)
+    assert a is not b  # a fresh dict each call: tc_geometry lowers KW in it
+    for m, n in [(1, 20480), (1, 17408), (3, 3072), (3, 4096), (5, 20480)]:
+        assert int4_tc.no_split_config(m, n) is None and int4_tc.default_tc_config(m, n, 3072) != no_split, (m, n)
+    assert int4_experts._tc_expert_config(1, None) == {"WN": 1, "KW": 1, "SPLIT_K": 8, "depth": 1}
     assert int4_experts._tc_expert_config(3, None)["WN"] == 2 and int4_experts._tc_expert_config(1, None, down=True)["KW"] == 1
-    monkeypatch.setattr(int4_tc, "NO_SPLIT_MAX_ROWS", 4)  # the verify rows' GEMVs too (ab_step's no-split-4-verify)
-    assert int4_tc.default_tc_config(3, 20480, 3072) == no_split and int4_experts._tc_expert_config(3, None)["WN"] == 2
+    monkeypatch.setattr(int4_tc, "NO_SPLIT_MAX_ROWS", 1)
+    assert int4_tc.no_split_config(3, 20480) is None and int4_tc.default_tc_config(3, 20480, 3072)["WN"] == 4
 
 
 @gpu
-@pytest.mark.parametrize("kw", [4, 8])
-def test_no_split_config_gpu(kw):
-    """The ROOFLINE_INT4_NO_SPLIT configs at real sizes: the merged in_proj_qkv+z (one and four rows) and the experts'
-    gate_up."""
-    cfg = {"tc": True, "WN": 1, "KW": kw, "SPLIT_K": 1, "depth": 1}
-    for m in (1, 4):
-        check_int4(m, 20480, 3072, 128, True, torch.bfloat16, GPU, config=cfg)
-    check_experts(1, 256, 3072, 1024, 8, 128, torch.bfloat16, GPU, config=cfg)
+def test_no_split_config_gpu():
+    """The verify rows' no-split config at real sizes: the merged in_proj_qkv+z at two to four rows, as
+    default_tc_config picks it."""
+    from roofline.kernels.int4_tc import default_tc_config
+
+    for m in (2, 3, 4):
+        assert default_tc_config(m, 20480, 3072)["SPLIT_K"] == 1
+        check_int4(m, 20480, 3072, 128, True, torch.bfloat16, GPU, config={"tc": True})
 
 
 @gpu
@@ -708,7 +715,7 @@ def check_gdn(bsz, hk, hv, dk, dv, dtype, device, block_v=None, steps=3, tol=1e-
     (2, 2, 4, 16, 16, torch.float32, 8),
     (3, 1, 3, 12, 20, torch.float16, 8),   # 3 value heads per key head, dv not a multiple of the block
     (1, 2, 2, 32, 24, torch.float32, 16),
-    (2, 1, 3, 12, 20, torch.float16, None),  # one program per head (the interpreter's default): its gated norm in it
+    (2, 1, 3, 12, 20, torch.float16, None),  # one V block per head (the interpreter's default), norms as on the GPU
 ])
 def test_gdn_decode_interpreter(bsz, hk, hv, dk, dv, dtype, block_v):
     check_gdn(bsz, hk, hv, dk, dv, dtype, "cpu", block_v, tol=2e-3)
@@ -719,20 +726,6 @@ def test_gdn_decode_interpreter(bsz, hk, hv, dk, dv, dtype, block_v):
 @pytest.mark.parametrize("block_v", [16, 32])
 def test_gdn_decode_gpu(bsz, block_v):
     check_gdn(bsz, 16, 64, 128, 128, torch.bfloat16, GPU, block_v)
-
-
-@gpu
-@pytest.mark.parametrize("m", [1, 3])
-def test_gdn_decode_whole_head_gpu(monkeypatch, m):
-    """ROOFLINE_GDN_WHOLE_HEAD (an experiment): one program of 8 warps per value head at 122B sizes, one token and
-    a verify step's three with the rollback saves."""
-    from roofline.kernels import gdn_decode as module
-
-    monkeypatch.setattr(module, "WHOLE_HEAD_PROGRAMS", True)
-    if m == 1:
-        check_gdn(3, 16, 64, 128, 128, torch.bfloat16, GPU)
-    else:
-        check_gdn_pool(2, 4, m, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="both")
 
 
 def test_gdn_reference_matches_model():
@@ -845,16 +838,6 @@ def test_gdn_decode_pool_interpreter(bsz, pool, m, hk, hv, dk, dv, dtype, block_
 
 
 @cpu
-def test_gdn_decode_streaming_saves_interpreter(monkeypatch):
-    """ROOFLINE_GDN_STREAMING_SAVES (an experiment: the rollback's state saves stored evict-first) saves the same
-    states (the interpreter ignores the hint; the GPU test checks the compiled kernel)."""
-    from roofline.kernels import gdn_decode as module
-
-    monkeypatch.setattr(module, "STREAMING_SAVES", True)
-    check_gdn_pool(1, 3, 3, 2, 2, 32, 24, torch.float32, "cpu", 16, True, "both", tol=2e-3)
-
-
-@cpu
 @pytest.mark.parametrize("bsz,m,save", [(1, 3, "both"), (2, 2, "none"), (3, 1, "conv")])
 def test_gdn_decode_reads_merged_projections_rows_in_place_interpreter(bsz, m, save):
     """qkv, z, b, a as the merged projections write them (strided rows): the same results as contiguous inputs."""
@@ -866,14 +849,6 @@ def test_gdn_decode_reads_merged_projections_rows_in_place_interpreter(bsz, m, s
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_gdn_decode_pool_gpu(m, merged):
     check_gdn_pool(3, 5, m, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="both", merged=merged)
-
-
-@gpu
-def test_gdn_decode_streaming_saves_gpu(monkeypatch):
-    from roofline.kernels import gdn_decode as module
-
-    monkeypatch.setattr(module, "STREAMING_SAVES", True)
-    check_gdn_pool(3, 5, 3, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="both")
 
 
 def test_gdn_reference_tokens_are_steps():

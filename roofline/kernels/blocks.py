@@ -83,12 +83,14 @@ if _ROUTER_ROWS not in ("2", "4"):
     raise ValueError(f"ROOFLINE_ROUTER_ROWS must be 2 or 4, got {_ROUTER_ROWS!r}")
 FUSED_ROUTE_ROWS = int(_ROUTER_ROWS)
 ROUTER_ROWS_CONFIG = {"BK": 256, "num_warps": 2}  # the one-launch router past two rows
-# An experiment for benchmarks/ab_step.py (session 17): the one-launch router of one or two rows runs two arrival
-# rounds (each column tile's K splits, then the tiles for the routing); `kernel_floor.py` put a round at +1.25 us. With
-# ROOFLINE_ROUTER_NO_SPLIT=1 it reads each output row whole in one program (257 programs of 1 x 1024 steps, no K
-# split), leaving only the routing's round.
-ROUTER_NO_SPLIT = os.environ.get("ROOFLINE_ROUTER_NO_SPLIT", "0") == "1"
+# The one-launch router of one or two rows on the default split config runs two arrival rounds (each column tile's K
+# splits, then the tiles for the routing); `kernel_floor.py` put a round at +1.25 us. So it reads each output row whole
+# in one program (ROUTER_NO_SPLIT_CONFIG: 257 programs of 1 x 1024 steps, no K split), leaving only the routing's
+# round: in the step (H100, session 18, benchmarks/ab_step.py, 122B, two rounds) M = 1 0.018 ms faster in both rounds,
+# M = 3 (its 3 rows on ROUTER_ROWS_CONFIG) unchanged (+0.005). ROUTER_FEW_ROWS_CONFIG is the 1-2 rows' config; ab_step's
+# variant router-split sets it to None (fp8_gemv's default config, with the K split) for the A/B.
 ROUTER_NO_SPLIT_CONFIG = {"BN": 1, "BK": 1024, "num_warps": 2, "SPLIT_K": 1}
+ROUTER_FEW_ROWS_CONFIG: dict | None = ROUTER_NO_SPLIT_CONFIG
 
 
 _routes: list[torch.Tensor] | None = None  # see recording_routes
@@ -120,7 +122,7 @@ def _route(moe: SparseMoE, x: torch.Tensor, norm: NormOnLoad | None = None) -> t
             logits = fp8_matmul(x, *operands, norm=norm)
             experts, weights = route_top_k(logits[..., :e], moe.top_k)
         else:
-            config = ROUTER_ROWS_CONFIG if rows > 2 else ROUTER_NO_SPLIT_CONFIG if ROUTER_NO_SPLIT else None
+            config = ROUTER_ROWS_CONFIG if rows > 2 else ROUTER_FEW_ROWS_CONFIG
             logits, experts, weights = router_top_k(x, *operands, e, moe.top_k, norm=norm, config=config)
         if moe.merged["router"].merged is not None:
             gate_logit = logits[..., e:]

@@ -435,13 +435,6 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
             if fla:
                 module.recurrence = partial(fla_chunked_recurrence, module)
                 installed["gdn chunked prefill (fla)"] += 1
-    if installed["gdn decode"]:
-        from .gdn_decode import STREAMING_SAVES, WHOLE_HEAD_PROGRAMS
-
-        if STREAMING_SAVES:
-            installed["gdn rollback saves stored evict-first (ROOFLINE_GDN_STREAMING_SAVES=1, experiment)"] += 1
-        if WHOLE_HEAD_PROGRAMS:
-            installed["gdn decode one program per value head (ROOFLINE_GDN_WHOLE_HEAD=1, experiment)"] += 1
     if installed["gdn decode"] and not fla and device.type == "cuda":
         log.warning("GDN prefill runs the PyTorch loop over tokens: fla-core is not installed (pip install 'roofline[gpu]')")
     _install_merged_projections(model, installed)
@@ -456,11 +449,11 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
     if FUSED_SMALL_OPS:
         _install_blocks(model, installed)
     if installed["int4"] or installed["int4 experts"]:
-        from .int4_tc import INT4_DEPTH, NO_SPLIT_WARPS, WIDE_TILES
+        from .int4_tc import INT4_DEPTH, NO_SPLIT_MAX_ROWS, NO_SPLIT_MIN_N, WIDE_TILES
 
-        if NO_SPLIT_WARPS:
-            installed[f"int4 tc without a K split: wide one-row GEMVs and experts gate_up (ROOFLINE_INT4_NO_SPLIT="
-                      f"{NO_SPLIT_WARPS}, experiment)"] += 1
+        if NO_SPLIT_MAX_ROWS >= 2:
+            installed[f"int4 tc without a K split: GEMVs of >= {NO_SPLIT_MIN_N} columns at 2-{NO_SPLIT_MAX_ROWS} rows "
+                      f"(the verify rows)"] += 1
         if INT4_DEPTH == 2:
             installed["int4 tc two-buffer loop at one row too (ROOFLINE_INT4_DEPTH=2)"] += 1
         elif WIDE_TILES is None:

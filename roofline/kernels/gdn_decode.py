@@ -37,8 +37,6 @@ a merged projection's output, their rows strided), conv_weight
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -48,16 +46,6 @@ from ._common import (INTERPRET, arrive, counters_for, next_pow2, pdl_options, r
                       wait_for_inputs)
 
 MAX_TOKENS = 5  # tokens per sequence in one step (1 decode token + up to 4 MTP drafts)
-# An experiment for benchmarks/ab_step.py (session 17): the verify step's state saves for the rollback cost 0.24 ms at
-# M = 3 on the 122B (H200: 5.17 against 4.93 ms without), ~3x what their 302 MB of writes take at the copy bandwidth.
-# ROOFLINE_GDN_STREAMING_SAVES=1 stores the saves with the streaming hint (st.global.cs: evict first), since they are
-# read back only after a rejected draft, so they need not displace the L2 lines the step's own reads use.
-STREAMING_SAVES = os.environ.get("ROOFLINE_GDN_STREAMING_SAVES", "0") == "1"
-# An experiment for benchmarks/ab_step.py (session 17): ROOFLINE_GDN_WHOLE_HEAD=1 runs one program per value head (the
-# 64 KB state slab of a 128 x 128 head on 8 warps; 64 programs a sequence on the 122B instead of 512 of 16 columns),
-# so each program runs its head's gated RMSNorm itself: no round trip through the fp32 workspace and a shorter tail
-# for the key head's last program, which only shifts the q/k conv window.
-WHOLE_HEAD_PROGRAMS = os.environ.get("ROOFLINE_GDN_WHOLE_HEAD", "0") == "1"
 
 
 def _check_step_outputs(bsz, m, conv_state, state, step_states, step_conv):
@@ -179,7 +167,7 @@ def _shift_window(qkv_row, hist_ptr, c, cmask, C, QS, M: tl.constexpr, KERNEL: t
 @triton.jit
 def _gated_norm_store(o, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, ty: tl.constexpr):
     """out[tok, heads] = w * rmsnorm(o) * silu(z) over each head's dv, with the model's roundings; o [R, BDV] fp32
-    holds R heads' outputs (`heads` [R, 1] or one head), dv [1, BDV], omask [R, BDV]."""
+    holds R heads' outputs (`heads` [R, 1]), dv [1, BDV], omask [R, BDV]."""
     of = o.to(ty).to(tl.float32)
     rms = tl.rsqrt(tl.sum(of * of, axis=1) / DV + eps)
     normed = (of * rms[:, None]).to(ty).to(tl.float32)
@@ -198,7 +186,6 @@ def _gdn_decode_kernel(
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     NVB, KERNEL: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
     HAS_SLOTS: tl.constexpr, SAVE_STATES: tl.constexpr, SAVE_CONV: tl.constexpr, PDL: tl.constexpr = False,
-    SAVE_CS: tl.constexpr = False, WHOLE_HEAD: tl.constexpr = False,
 ):
     vb = tl.program_id(0)
     h = tl.program_id(1)
@@ -245,18 +232,11 @@ def _gdn_decode_kernel(
         d = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = s + k[:, None] * d[None, :]
         o = tl.sum(s * q[:, None], axis=0)
-        if WHOLE_HEAD:  # the program holds the head's whole o: its gated norm here, nothing for the last program
-            _gated_norm_store(o[None, :], tok, h, vv[None, :], vmask[None, :], z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps,
-                              ty)
-        else:
-            tl.store(o_ws + (tok * HV + h) * DV + vv, o, mask=vmask)
+        tl.store(o_ws + (tok * HV + h) * DV + vv, o, mask=vmask)
         if SAVE_STATES:
             if j < M - 1:
                 sp = sstate_ptr + (((bi * (M - 1) + j) * HV + h) * DK + dk[:, None]).to(tl.int64) * DV + vv[None, :]
-                if SAVE_CS:
-                    tl.store(sp, s, mask=smask, cache_modifier=".cs")
-                else:
-                    tl.store(sp, s, mask=smask)
+                tl.store(sp, s, mask=smask)
     tl.store(s_ptrs, s, mask=smask)
     sconv = sconv_ptr + (bi * (M - 1)).to(tl.int64) * (KERNEL - 1) * C
     if SAVE_CONV:
@@ -271,15 +251,15 @@ def _gdn_decode_kernel(
             _save_windows(qkv_row, hist, sconv, ck, dmask, C, QS, M, KERNEL)
         _shift_window(qkv_row, hist, cq, dmask, C, QS, M, KERNEL)
         _shift_window(qkv_row, hist, ck, dmask, C, QS, M, KERNEL)
-        if not WHOLE_HEAD:  # the group's heads' gated norms, from the o vectors its programs wrote
-            gi = tl.arange(0, GROUPP)
-            dv = tl.arange(0, BDV)[None, :]
-            heads = (kh * GROUP + gi)[:, None]
-            omask = (gi < GROUP)[:, None] & (dv < DV)
-            for j in tl.static_range(M):
-                tok = bi * M + j
-                o_group = tl.load(o_ws + (tok * HV + heads) * DV + dv, mask=omask, other=0, cache_modifier=".cg")
-                _gated_norm_store(o_group, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, ty)
+        # the group's heads' gated norms, from the o vectors its programs wrote
+        gi = tl.arange(0, GROUPP)
+        dv = tl.arange(0, BDV)[None, :]
+        heads = (kh * GROUP + gi)[:, None]
+        omask = (gi < GROUP)[:, None] & (dv < DV)
+        for j in tl.static_range(M):
+            tok = bi * M + j
+            o_group = tl.load(o_ws + (tok * HV + heads) * DV + dv, mask=omask, other=0, cache_modifier=".cg")
+            _gated_norm_store(o_group, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, ty)
         reset(cnt)
 
 
@@ -311,13 +291,10 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     kernel = conv_state.shape[1] + 1
     group = hv // num_k_heads
     # 512 programs per sequence at 122B shapes; the interpreter runs programs one after another, so there one
-    # V block per head (the split-V path is tested with an explicit block_v). WHOLE_HEAD_PROGRAMS: one per head on the
-    # GPU too. A program that holds a whole head runs its gated norm itself (WHOLE_HEAD).
-    whole = WHOLE_HEAD_PROGRAMS and not INTERPRET and block_v is None
-    bv = block_v or (16 if not (INTERPRET or whole) else next_pow2(dv))
+    # V block per head (the split-V path is tested with an explicit block_v); either way every program writes its o to
+    # the workspace and the key head's last program runs the gated norms, so the interpreter runs the GPU's code path
+    bv = block_v or (16 if not INTERPRET else next_pow2(dv))
     nvb = triton.cdiv(dv, bv)
-    if whole and num_warps is None:
-        num_warps = 8  # a [dk, dv] = 128 x 128 fp32 slab: 64 registers a thread at 8 warps
     if out is None:
         out = torch.empty(n, hv * dv, dtype=qkv.dtype, device=qkv.device)
     o_ws = torch.empty(n, hv, dv, dtype=torch.float32, device=qkv.device)
@@ -332,6 +309,5 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
         CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STATES=save_states,
         SAVE_CONV=save_conv, num_warps=num_warps or (2 if not INTERPRET else 1), **pdl_options(qkv.device),
-        SAVE_CS=save_states and STREAMING_SAVES, WHOLE_HEAD=nvb == 1,
     )
     return out

@@ -44,7 +44,6 @@ from .int4_tc import (
     default_tc_config,
     lane_index,
     launch_options,
-    no_split_config,
     one_buffer_loop,
     out_index,
     sum_warp_rows,
@@ -520,8 +519,6 @@ def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
     if not INTERPRET:
         if down:
             cfg = {"WN": 1, "KW": 1, "programs_per_sm": 8.0} if t == 1 else {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
-        elif no_split := no_split_config(t):
-            cfg = no_split
         elif one_buffer_loop(t):
             cfg = {"WN": 1, "KW": 1, "SPLIT_K": 8}
         else:

@@ -504,7 +504,9 @@ def tc_supported(x: torch.Tensor, n: int, k: int, group_size: int, wn: int = 1, 
 # against 10.85 and the experts' gate_up 31.5 against 29.2. So GEMVs of 2..4 rows over weights of at least
 # WIDE_TILES column tiles (the merged in_proj_qkv+z, 160; attention's q/k/v, 136: the verify step's widest GEMVs) take
 # the one-buffer loop too (session 16; measured at four rows, block-repacked only). ROOFLINE_INT4_DEPTH=2 keeps the
-# two-buffer loop at every row count; =one-row takes the one-buffer loop at one row only (session 15's rule).
+# two-buffer loop at every row count; =one-row takes the one-buffer loop at one row only (session 15's rule). Since
+# session 18 those GEMVs (>= NO_SPLIT_MIN_N columns) run without a K split at 2..4 rows (`no_split_config`, one
+# buffer whatever ROOFLINE_INT4_DEPTH says), so the several-rows part here applies only with NO_SPLIT_MAX_ROWS lowered.
 _DEPTH_ENV = os.environ.get("ROOFLINE_INT4_DEPTH", "1")
 if _DEPTH_ENV not in ("1", "2", "one-row"):
     raise ValueError(f"ROOFLINE_INT4_DEPTH must be 1, 2 or one-row, got {_DEPTH_ENV!r}")
@@ -512,30 +514,26 @@ INT4_DEPTH = 2 if _DEPTH_ENV == "2" else 1
 WIDE_TILES = 96 if _DEPTH_ENV == "1" else None  # 128-column tiles from which several rows take the one-buffer loop
 
 
-# An experiment for benchmarks/ab_step.py (session 17): `kernel_floor.py` on the H200 put a split-K arrival round at
-# +1.25 us a kernel in a PDL chain (2.49 against 1.24 us for an empty kernel; one atomic add a program instead: 1.22),
-# and a stream with no split at 3.75 us for 8 MB against 4.37 split 8 ways. With ROOFLINE_INT4_NO_SPLIT=KW a one-row
-# GEMV wide enough to fill the GPU with 32-column programs (>= NO_SPLIT_MIN_N columns: the merged GDN in_proj_qkv+z,
-# attention's q/k/v) and the experts' gate_up run one program per 32 columns over the whole K, its KW warps splitting
-# K and summing in the program (shared memory): no workspace, no arrival round. ROOFLINE_INT4_NO_SPLIT_ROWS=2..4 extends
-# it to the GEMVs of a verify step's rows (NO_SPLIT_MAX_ROWS; the mma takes up to 8 token columns at no extra cost).
-_NO_SPLIT_ENV = os.environ.get("ROOFLINE_INT4_NO_SPLIT", "0")
-if _NO_SPLIT_ENV not in ("0", "2", "4", "8"):
-    raise ValueError(f"ROOFLINE_INT4_NO_SPLIT must be 0, 2, 4 or 8 (warps along K), got {_NO_SPLIT_ENV!r}")
-NO_SPLIT_WARPS = int(_NO_SPLIT_ENV)
-_NO_SPLIT_ROWS_ENV = os.environ.get("ROOFLINE_INT4_NO_SPLIT_ROWS", "1")
-if _NO_SPLIT_ROWS_ENV not in ("1", "2", "3", "4"):
-    raise ValueError(f"ROOFLINE_INT4_NO_SPLIT_ROWS must be 1..4, got {_NO_SPLIT_ROWS_ENV!r}")
-NO_SPLIT_MAX_ROWS = int(_NO_SPLIT_ROWS_ENV)
+# `kernel_floor.py` on the H200 (session 17) put a split-K arrival round at +1.25 us a kernel in a PDL chain (2.49
+# against 1.24 us for an empty kernel; one atomic add a program instead: 1.22), and a stream with no split at 3.75 us
+# for 8 MB against 4.37 split 8 ways. So the GEMVs of a verify step's 2..NO_SPLIT_MAX_ROWS rows over weights of
+# >= NO_SPLIT_MIN_N columns (the merged GDN in_proj_qkv+z, attention's q/k/v; the mma takes up to 8 token columns at
+# no extra cost) run one program per 32 columns over the whole K, its 4 warps splitting K and summing in the program
+# (shared memory): no workspace, no arrival round. In the step (H100, session 18, benchmarks/ab_step.py, 122B, two
+# rounds) the M = 3 verify graph 0.029 ms faster in both rounds. The same at one row (those GEMVs and the experts'
+# gate_up at one token) was 0.086-0.094 ms slower at M = 1, and 8 warps along K 0.75 ms slower: both removed, one
+# row keeps its split configs. ab_step's variant int4-split-verify sets NO_SPLIT_MAX_ROWS to 1 (no GEMV without the
+# split: session 17's defaults) for the A/B.
+NO_SPLIT_MAX_ROWS = 4
 NO_SPLIT_MIN_N = 8192
 
 
-def no_split_config(rows: int, n: int | None = None) -> dict | None:
-    """The config without a K split across programs (`NO_SPLIT_WARPS`), or None: GEMVs of >= NO_SPLIT_MIN_N columns
-    up to NO_SPLIT_MAX_ROWS rows; `n` None: the experts' gate_up (8 experts' columns), at one token."""
-    if not NO_SPLIT_WARPS or rows > (1 if n is None else NO_SPLIT_MAX_ROWS) or (n is not None and n < NO_SPLIT_MIN_N):
+def no_split_config(rows: int, n: int) -> dict | None:
+    """The config without a K split across programs for a GEMV of `rows` rows and `n` columns, or None: 2 up to
+    NO_SPLIT_MAX_ROWS rows and >= NO_SPLIT_MIN_N columns (see above)."""
+    if not 2 <= rows <= NO_SPLIT_MAX_ROWS or n < NO_SPLIT_MIN_N:
         return None
-    return {"WN": 1, "KW": NO_SPLIT_WARPS, "SPLIT_K": 1, "depth": 1}
+    return {"WN": 1, "KW": 4, "SPLIT_K": 1, "depth": 1}
 
 
 def one_buffer_loop(rows: int, n: int = 0) -> bool:
@@ -550,7 +548,8 @@ def one_buffer_loop(rows: int, n: int = 0) -> bool:
 def default_tc_config(m: int, n: int, k: int) -> dict:
     """4 warps of 32 columns (128 columns a program), one group per warp-step; K split to ~4 programs per SM
     at one row, ~2 from two (H200 sweep, run 3a: in_proj_qkv M=4 13.5 us at 2 vs 14.1 at 4; out_proj
-    M=4 12.2 vs 17.0; M=1 within 3%); ~6 in the one-buffer loop (`one_buffer_loop`)."""
+    M=4 12.2 vs 17.0; M=1 within 3%); ~6 in the one-buffer loop (`one_buffer_loop`). The verify rows' wide GEMVs
+    without a K split (`no_split_config`)."""
     if INTERPRET:
         return {"WN": 1, "KW": 2, "num_warps": 2}
     no_split = no_split_config(m, n)
@@ -801,6 +800,9 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     cases += [("gemv qblk", _gemv_tc_kernel, gemv_sig,
                {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": True, "PDL": True,
                 "DEPTH": depth, "RESIDUAL": residual}) for depth, residual in [(2, False), (1, False), (1, True)]]
+    cases += [("gemv no split", _gemv_tc_kernel, gemv_sig,  # no_split_config: the verify rows' wide GEMVs
+               {"WN": 1, "KW": 4, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": qblk, "PDL": True,
+                "DEPTH": 1, "RESIDUAL": False}) for qblk in (False, True)]
     cases += [(name, fn, sig, {"TOPK": 8, "TOPKP": 8, "CH": ch, "WN": wn, "KW": 1, "SYM": sym, "BF16": True, "SPLITP": 8,
                                "EMULATE": False, "QBLK": qblk, "PDL": True, "DEPTH": depth})
               for name, fn, sig in [("gate_up", _gate_up_tc_kernel, gate_up_sig), ("down", _down_tc_kernel, down_sig)]

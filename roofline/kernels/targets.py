@@ -53,11 +53,10 @@ def _cases():
                                 "out_ptr", "sconv_ptr")}
     gdn.update(alog_ptr="*fp32", state_ptr="*fp32", o_ws="*fp32", cnt_ptr="*i32", slot_ptr="*i32", sstate_ptr="*fp32")
     for m in (1, 3):
-        consts = {"GROUP": 4, "GROUPP": 4, "BDK": 128, "BDV": 128, "KERNEL": 4, "CONV_TY": tl.bfloat16, "M": m,
-                  "HAS_SLOTS": True, "SAVE_STATES": m > 1, "SAVE_CONV": m > 1, "PDL": True, "SAVE_CS": False}
-        for name, bv, whole, warps in [(f"gdn decode M={m}", 16, False, 2),
-                                       (f"gdn decode M={m}, one program per head (ROOFLINE_GDN_WHOLE_HEAD)", 128, True, 8)]:
-            cases.append((name, _gdn_decode_kernel, {**consts, "BV": bv, "WHOLE_HEAD": whole}, gdn, ("eps",), warps, 1))
+        cases.append((f"gdn decode M={m}", _gdn_decode_kernel,
+                      {"GROUP": 4, "GROUPP": 4, "BDK": 128, "BDV": 128, "BV": 16, "KERNEL": 4, "CONV_TY": tl.bfloat16,
+                       "M": m, "HAS_SLOTS": True, "SAVE_STATES": m > 1, "SAVE_CONV": m > 1, "PDL": True},
+                      gdn, ("eps",), 2, 1))
     fp8 = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
            "cnt_ptr": "*i32", "ss_ptr": "*fp32", "nw_ptr": "*bf16", "normed_ptr": "*bf16", "experts_ptr": "*i64",
            "weights_ptr": "*fp32", "ids_ptr": "*i64"}
@@ -70,9 +69,9 @@ def _cases():
         ("shared down (8 x 128), 4 rows", {"BM": 4, "BN": 8, "BK": 128, "HAS_SCALE": True, "TOPK": 0, "NORM": False,
                                            "GATED": False, "experts_ptr": None, "weights_ptr": None, "ss_ptr": None,
                                            "nw_ptr": None, "normed_ptr": None}, 1),
-        ("router + top-8 (8 x 128)", {"BM": 1, "BN": 8, "BK": 128, **router}, 1),
-        ("router + top-8, 4 rows (blocks.ROUTER_ROWS_CONFIG)", {"BM": 4, "BN": 8, "BK": 256, **router}, 2),
         ("router + top-8 without a K split (blocks.ROUTER_NO_SPLIT_CONFIG)", {"BM": 1, "BN": 1, "BK": 1024, **router}, 2),
+        ("router + top-8 without a K split, 2 rows", {"BM": 2, "BN": 1, "BK": 1024, **router}, 2),
+        ("router + top-8, 4 rows (blocks.ROUTER_ROWS_CONFIG)", {"BM": 4, "BN": 8, "BK": 256, **router}, 2),
     ]:
         pointers = {**fp8, "w_ptr": "*bf16"} if extra["TOPK"] else fp8  # the router's weight is 16-bit
         cases.append((f"fp8 gemv: {name}", _fp8_gemv_kernel, {**base, **extra}, pointers, ("eps",), warps, 1))
