@@ -30,6 +30,7 @@ from roofline.kernels._common import pdl_supported
 from roofline.kernels.dispatch import install_fast_path
 
 LABELLED = [(MtpSpeculator, "draft"), (MtpSpeculator, "verify"), (MtpSpeculator, "_head"), (MtpSpeculator, "_accept"),
+            (MtpSpeculator, "catch_up"),
             (MtpSpeculator, "_verify_forward"), (DecodeGraphs, "run"), (DecodeGraphs, "keep"),
             (DecodeGraphs, "buffers_for")]
 

@@ -52,7 +52,8 @@ def test_greedy_output_identical_with_speculation(checkpoint, k):
 @pytest.mark.parametrize("k", [1, 3])
 def test_the_draft_head_keeps_the_whole_history(checkpoint, k):
     """After every step the MTP head's cache holds a pair for every true position it has been shown, and the pending
-    pairs cover the rest: together, one per position but the newest (whose token is not known yet). Until 2026-12-04
+    pairs cover the rest: together, one per position but the newest (whose token is not known yet); after a verify
+    nothing is pending, since the head runs on the verified pairs before the step ends. Until 2026-12-04
     each draft step cut the head's cache back to where it began, dropping the pairs it had just been shown, so the
     head drafted from the last few tokens alone (bundled model, k=2: acceptance 0.905 / 0.78 against 1.00 / 0.99)."""
     engine = engine_for(checkpoint, k)
@@ -65,6 +66,8 @@ def test_the_draft_head_keeps_the_whole_history(checkpoint, k):
             shown, pending = seq.draft.cache.num_tokens, len(seq.draft.pending_tokens)
             assert shown + pending == len(seq.prompt_ids) + len(seq.output_ids) - 1, (steps, shown, pending)
             assert steps == 1 or shown >= len(seq.prompt_ids)
+            # after a verify the head has run on its new pairs at once, holding its output for the next draft
+            assert steps == 1 or (pending == 0 and seq.draft.head_logits is not None), (steps, pending)
     assert all(len(s.output_ids) == 20 for s in seqs)
 
 

@@ -306,7 +306,7 @@ class Engine:
 
     def _can_speculate(self, seq: Sequence) -> bool:
         room = self.max_model_len - len(seq.prompt_ids) - len(seq.output_ids)
-        return (seq.draft is not None and not seq.prefilling and bool(seq.draft.pending_tokens)
+        return (seq.draft is not None and not seq.prefilling and seq.draft.ready_to_draft()
                 and room > self.speculator.k_max)
 
     def _forward(self, active: list[Sequence], pending: list[list[int]] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,14 +7,18 @@ hidden states of the newest positions and the tokens that follow them. A step:
 
 1. Draft: the head runs on the pending pairs (its cache now holds only true history) and
    drafts d1 from the last one; for d2..dk it is fed its own post-norm output and draft.
+   After a verify the head has already run on the new pairs (step 4), so d1 comes from its
+   stored output.
 2. Verify: the main model runs [last token, d1..dk] in one forward, remembering its GDN
    state after each position.
 3. Accept: greedy keeps the longest prefix of drafts equal to the main model's argmax;
    sampling accepts d_j with probability min(1, p/q) and otherwise resamples from the
    normalised positive part of p - q, which leaves the output distribution exactly p
    (Leviathan et al., Chen et al. 2023). One more token (the bonus) always comes from p.
-4. Roll back both caches to the accepted tokens; the verified hidden states become the
-   head's next pending pairs.
+4. The verified hidden states become the head's pending pairs, and the head runs on them
+   at once (before the rollback copies and before the host's bookkeeping between steps),
+   so the GPU has the next draft's first forward to do while the host is busy; then the
+   main model's caches roll back to the accepted tokens.
 
 Drafts, their distributions and the acceptance stay on the device: drafts are fed back to the
 head as device tensors and verified from them, and the host reads one small tensor per step
@@ -110,6 +114,12 @@ class DraftState:
     cache: SequenceCache = field(default_factory=SequenceCache)
     pending_hidden: torch.Tensor | None = None  # [n, H] main-model hidden states not yet shown to the head
     pending_tokens: list[int] = field(default_factory=list)  # the token following each of them
+    # The head's post-norm output [H] and logits [V] at its newest pair, while no pair is pending: d1 comes from them
+    head_hidden: torch.Tensor | None = None
+    head_logits: torch.Tensor | None = None
+
+    def ready_to_draft(self) -> bool:
+        return bool(self.pending_tokens) or self.head_logits is not None
 
 
 @dataclass
@@ -139,6 +149,7 @@ class MtpSpeculator:
     def extend(self, state: DraftState, hidden: torch.Tensor, input_ids: list[int], next_token: int) -> None:
         """After a plain forward over `input_ids`: pair each position's hidden state with the token after it."""
         tokens = input_ids[1:] + [next_token]
+        state.head_hidden = state.head_logits = None  # superseded by the new pairs
         if state.pending_hidden is None or not state.pending_tokens:
             state.pending_hidden, state.pending_tokens = hidden, tokens
         else:
@@ -146,13 +157,18 @@ class MtpSpeculator:
             state.pending_tokens = state.pending_tokens + tokens
 
     def catch_up(self, states: list[DraftState]) -> None:
-        """Run the head over the pending pairs now, advancing its caches: after each chunk of a long prompt, so a
-        prompt's hidden states do not pile up until the first draft (then one head forward over all of it)."""
+        """Run the head over the pending pairs now, advancing its caches, and keep its output at the newest pair
+        for the next draft: after each chunk of a long prompt, so a prompt's hidden states do not pile up until
+        the first draft (then one head forward over all of it), and right after each verify."""
         states = [s for s in states if s.pending_tokens]
-        if states:
-            self._head([s.pending_tokens for s in states], [s.pending_hidden for s in states], [s.cache for s in states])
-            for state in states:
-                state.pending_hidden, state.pending_tokens = None, []
+        if not states:
+            return
+        hidden, logits = self._head([s.pending_tokens for s in states], [s.pending_hidden for s in states],
+                                    [s.cache for s in states])
+        hidden, logits = hidden.clone(), logits.clone()  # out of the graph's buffers, which the next replay reuses
+        for i, state in enumerate(states):
+            state.pending_hidden, state.pending_tokens = None, []
+            state.head_hidden, state.head_logits = hidden[i], logits[i]
 
     def begin_step(self) -> None:
         if self.chooser:
@@ -197,8 +213,11 @@ class MtpSpeculator:
         when every row is greedy and unpenalised: the drafts are the head's argmax). The host reads nothing
         unless a penalty needs the drafts so far."""
         caches = [s.cache for s in states]
-        hidden, logits = self._head([s.pending_tokens for s in states], [s.pending_hidden for s in states], caches)
-        true_lengths = [c.num_tokens for c in caches]  # the pending pairs are true history: they stay
+        self.catch_up(states)  # only where a plain step or a prompt left pairs since: a verify ran the head already
+        hidden, logits = (_rows([getattr(s, name) for s in states]) for name in ("head_hidden", "head_logits"))
+        for state in states:
+            state.head_hidden = state.head_logits = None  # the drafts below move the head on; the verify brings new pairs
+        true_lengths = [c.num_tokens for c in caches]  # the pairs shown are true history: they stay
         penalised = any(p.penalised for p in params)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         drafts: list[torch.Tensor] = []
@@ -252,7 +271,7 @@ class MtpSpeculator:
         outcome = torch.cat([tokens.double(), accepted[:, None].double(), token_logprobs.double()], 1).tolist()  # one read
         want_top = any(p.logprobs is not None for p in params)
         raw = torch.log_softmax(logits, dim=-1) if want_top else None
-        results = []
+        results, kept = [], []
         for i, row in enumerate(outcome):
             n = int(row[m]) + 1  # the accepted drafts, then the next token
             for j in range(k):
@@ -261,9 +280,14 @@ class MtpSpeculator:
             positions = [i * m + j for j in range(n)]
             top = (top_logprobs(raw[positions], 0.0, [params[i]] * n) if want_top else [None] * n)  # raw: log-probabilities
             results.append(Verified([int(t) for t in row[:n]], row[m + 1 : m + 1 + n], top, k, n - 1))
-            keep(i, n)  # the last token and the accepted drafts; the next token is pending
-            states[i].pending_hidden = hidden[positions]
-            states[i].pending_tokens = results[-1].tokens
+            states[i].pending_hidden = hidden[i * m : i * m + n]  # the last token and the accepted drafts ...
+            states[i].pending_tokens = results[-1].tokens  # ... each paired with the token after it
+            kept.append(n)
+        # The next draft's first head forward goes to the GPU now (a sequence that stops here wastes one), then the
+        # rollback copies: the main caches keep the last token and the accepted drafts; the next token is pending.
+        self.catch_up(states)
+        for i, n in enumerate(kept):
+            keep(i, n)
         return results
 
     def _accept(self, logits, ids, qs, params, histories, prompt_lens, generators) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,6 +334,11 @@ class MtpSpeculator:
     def mean_accepted_length(self) -> float:
         """Tokens per verify step: the accepted drafts plus the bonus token."""
         return 1 + sum(self.accepted) / self.drafted[0] if self.drafted[0] else 0.0
+
+
+def _rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """[B, ...] from B rows: a view for one row (the usual single-user step), a stack otherwise."""
+    return rows[0][None] if len(rows) == 1 else torch.stack(rows)
 
 
 def _leading_true(ok: torch.Tensor) -> torch.Tensor:
