@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 17"), as phases that each fit one 10-minute
-# device call (session 17: a warm H200 ran `one`, the old name of `next`'s shape, in 178 s):
+# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 18"), as phases that each fit one 10-minute
+# device call (session 18 on a warm H100: `next`'s old form 267 s, `mtp` 176 s); `mtp` first, then `next`:
 #   OUT=... bash benchmarks/experiments.sh next     # the GPU tests of session 18's defaults (the verify rows' INT4
 #                                                   # GEMVs without a K split, the router at 1-4 rows, the GDN
 #                                                   # kernel, graph tokens), then the A/B of those defaults against
@@ -8,8 +8,9 @@
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # where an MTP-2 step through Engine.step spends its time
-#                                                   # (profile_mtp_engine.py; 7.97 ms against 5.9 for its graphs
-#                                                   # in session 14) (~2 min)
+#                                                   # (profile_mtp_engine.py, then unprofiled without PDL; H100,
+#                                                   # session 18: 7.69 ms a step against ~7.0 of GPU work, before
+#                                                   # 59ad0f7 moved the head's first forward) (~3 min)
 #   OUT=... bash benchmarks/experiments.sh shapes   # the 35B-A3B and 27B rows (~2 min)
 #   OUT=... bash benchmarks/experiments.sh tests    # the pooled-decode / fast-path / generate-CLI GPU files (~5 min)
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
@@ -49,7 +50,8 @@ capacity() {  # one 256K context on a card with the memory for it (the H200: 74.
 gpu_tests() {  # time limit, pytest arguments...
   local limit=$1
   shift
-  timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
+  # SIGINT first: pytest then prints its summary (which test was running, the durations) instead of nothing
+  timeout -s INT -k 15 "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
   next)  # session 18's defaults: GPU tests, then the A/B against what they replaced
@@ -75,9 +77,10 @@ case "${1:-}" in
         --batch-decode 0 --out "$OUT/$day-synthetic-$shape.json" 2>&1 | grep "context\|M=1" | tail -5
     done
     ;;
-  tests)  # the files a 150 s limit cut in session 13
-    gpu_tests 240 -m gpu tests/test_pooled_decode.py tests/test_fast_path.py tests/test_generate_cli.py
-    gpu_tests 150 -m gpu tests/test_bench_synthetic.py
+  tests)  # the files a 150 s limit cut in session 13; session 18's 240 + 150 s printed nothing useful: one file a call
+    for f in test_pooled_decode test_fast_path test_generate_cli test_bench_synthetic; do
+      echo "== $f"; gpu_tests 140 -m gpu "tests/$f.py" -x
+    done
     ;;
   kernels)
     timeout 300 python3 benchmarks/kernels.py --quick --only int8,int4_gemm 2>&1 | tail -40
