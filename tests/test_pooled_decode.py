@@ -86,6 +86,27 @@ def test_verify_rollback_equals_never_seeing_rejected_tokens(checkpoint):
 
 
 @cpu
+def test_verify_buckets_share_one_reserved_storage_of_rollback_saves(checkpoint):
+    """The engine reserves the verify steps' GDN saves at start (sequences x drafts positions, in its memory log), and
+    every verify bucket, whatever its batch or attention span, views that one storage instead of allocating its own
+    (one set per bucket grew with every span a conversation reached: 151 MB a position on the 122B)."""
+    _, pooled = engines(checkpoint, "cpu", "float32", 2)
+    graphs, pool = pooled.graphs, pooled.pool
+    layer = next(iter(pool.recurrent))
+    per_row = sum(t[0].numel() * t.element_size() for t in (pool.recurrent[layer], pool.conv[layer])) * len(pool.recurrent)
+    assert graphs.saves_nbytes == 4 * 2 * per_row  # max_num_seqs 4 x 2 drafts
+    storage = graphs.saves[layer][0].data_ptr()
+    views = []
+    for batch, longest in [(1, 10), (3, 10), (1, 1500), (4, 1500)]:
+        buf, b, span = graphs.buffers_for(batch, 3, longest, rollback=True)
+        states, convs = buf.rollback[layer]
+        assert states.shape[:2] == (b, 2) and states.is_contiguous() and convs.shape[:2] == (b, 2)
+        assert states.data_ptr() == storage and convs.data_ptr() == graphs.saves[layer][1].data_ptr()
+        views.append(span)
+    assert len(set(views)) == 2 and graphs.saves_nbytes == 4 * 2 * per_row, "no bucket allocated saves of its own"
+
+
+@cpu
 def test_padding_rows_write_only_the_scratch_places(checkpoint):
     """Three sequences run in a bucket of four: the padding row's keys land in slot 0's reserved tail and its
     GDN state in the scratch slot; the free slot is untouched."""

@@ -210,18 +210,22 @@ class Engine:
             return
         cfg, model, max_num_seqs = self.model.config, self.model, self.max_num_seqs
         capacity = self.max_model_len + MAX_DRAFT_TOKENS + 1  # a verify or padded draft step may run past the limit
+        use_graphs = model.device.type == "cuda"
         try:
             self.pool = CachePool(cfg, cfg.layer_types, max_num_seqs, capacity, model.device, model.dtype)
             if self.speculator:
                 self.mtp_pool = CachePool(cfg, ["full_attention"], max_num_seqs, capacity, model.device, model.dtype)
+            # each verify saves every GDN layer's state after each draft, for the rollback
+            self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, use_graphs,
+                                       rollback_rows=max_num_seqs * self.speculator.k_max if self.speculator else 0)
         except torch.OutOfMemoryError:
+            self.pool = self.mtp_pool = None
             raise UserError(
-                f"the preallocated KV cache and GDN state for {max_num_seqs} sequences of {self.max_model_len} tokens do not "
-                "fit in device memory: lower --max-num-seqs or --max-model-len"
+                f"the preallocated KV cache and GDN state for {max_num_seqs} sequences of {self.max_model_len} tokens"
+                f"{' (and the MTP verify rollback saves)' if self.speculator else ''} do not fit in device memory: lower "
+                "--max-num-seqs or --max-model-len" + (" or the number of speculative tokens" if self.speculator else "")
             ) from None
-        total = self.pool.nbytes + (self.mtp_pool.nbytes if self.mtp_pool else 0)
-        use_graphs = model.device.type == "cuda"
-        self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, use_graphs)
+        total = self.pool.nbytes + (self.mtp_pool.nbytes if self.mtp_pool else 0) + self.graphs.saves_nbytes
         if self.speculator:
             self.speculator.graphs = self.graphs
             self.speculator.draft_graphs = DecodeGraphs(model, self.mtp_pool, max_num_seqs, use_graphs, mtp=True,
@@ -232,7 +236,8 @@ class Engine:
             scheduling = "off with MTP speculation: each verify's accepted tokens decide the next step's inputs"
         else:
             scheduling = "on: the next decode step is launched before the host reads the last token"
-        log.info("pooled decode: %d slots x %d tokens, %.2f GiB of KV cache and GDN state; %s; async scheduling %s",
+        log.info("pooled decode: %d slots x %d tokens, %.2f GiB of KV cache, GDN state and rollback saves; %s; async "
+                 "scheduling %s",
                  max_num_seqs, self.max_model_len, total / 2**30, "CUDA graphs per batch bucket" if use_graphs else "eager (no CUDA)",
                  scheduling)
 

@@ -81,14 +81,42 @@ class StepBuffers:
 
 class DecodeGraphs:
     """Runs the pooled decode step for a batch of `SlotCache`s: of the main model, or with `mtp` of
-    the MTP head (which also takes a hidden state per token)."""
+    the MTP head (which also takes a hidden state per token).
 
-    def __init__(self, model, pool: CachePool, max_batch: int, use_graphs: bool, mtp: bool = False, logits=None):
+    The verify steps' rollback saves (each GDN layer's state and conv window after every position but the last) live
+    in one storage that every bucket views: steps run one at a time and `keep` reads a step's saves before the next
+    step runs, so buckets of other spans and batch sizes need no copies of their own (on the 122B a position's saves
+    are 151 MB; one set per bucket grew with every attention span a conversation reached). `rollback_rows` (sequences
+    x drafts) reserves it up front, so the engine's memory is known at start; a larger step grows it."""
+
+    def __init__(self, model, pool: CachePool, max_batch: int, use_graphs: bool, mtp: bool = False, logits=None,
+                 rollback_rows: int = 0):
         self.model, self.pool, self.max_batch, self.use_graphs, self.mtp = model, pool, max_batch, use_graphs, mtp
         self.logits = logits or model.logits  # hidden -> fp32 logits (the MTP head's may cover part of the vocabulary)
         self.buffers: dict[tuple[int, int, int], StepBuffers] = {}
         self.mempool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.replays = 0
+        self.saves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (states [R, ...], conv windows [R, ...])
+        if rollback_rows:
+            self._reserve_saves(rollback_rows)
+
+    @property
+    def saves_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.saves.values() for t in pair)
+
+    def _reserve_saves(self, rows: int) -> None:
+        """A new storage of `rows` positions' saves (buckets captured on an older one keep it alive)."""
+        dev, pool = self.model.device, self.pool
+        self.saves = {layer: (torch.empty(rows, *state.shape[1:], dtype=state.dtype, device=dev),
+                              torch.empty(rows, *pool.conv[layer].shape[1:], dtype=pool.conv[layer].dtype, device=dev))
+                      for layer, state in pool.recurrent.items()}
+
+    def _rollback_views(self, b: int, m: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """[b, m-1, ...] views of the saves' storage (contiguous prefixes), grown first if it is too small."""
+        rows = b * (m - 1)
+        if not self.saves or next(iter(self.saves.values()))[0].shape[0] < rows:
+            self._reserve_saves(rows)
+        return {layer: tuple(t[:rows].view(b, m - 1, *t.shape[1:]) for t in pair) for layer, pair in self.saves.items()}
 
     def _new_buffers(self, b: int, m: int, rollback: bool) -> StepBuffers:
         dev, pool = self.model.device, self.pool
@@ -107,13 +135,7 @@ class DecodeGraphs:
             hidden_in=torch.zeros(b * m, self.model.config.hidden_size, dtype=self.model.dtype, device=dev) if self.mtp else None,
         )
         if rollback and m > 1:
-            buffers.rollback = {
-                layer: (
-                    torch.empty(b, m - 1, *state.shape[1:], dtype=state.dtype, device=dev),
-                    torch.empty(b, m - 1, *pool.conv[layer].shape[1:], dtype=pool.conv[layer].dtype, device=dev),
-                )
-                for layer, state in pool.recurrent.items()
-            }
+            buffers.rollback = self._rollback_views(b, m)
         return buffers
 
     def _body(self, buf: StepBuffers, m: int, span: int) -> None:
