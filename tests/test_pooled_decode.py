@@ -107,6 +107,32 @@ def test_verify_buckets_share_one_reserved_storage_of_rollback_saves(checkpoint)
 
 
 @cpu
+@pytest.mark.parametrize("k", [None, 2])
+def test_serve_sizes_the_pool_by_what_the_engine_allocates(checkpoint, k):
+    """`serve` picks --max-num-seqs for the CUDA-graph path from CacheMemory.pooled_bytes: it must be what
+    ensure_pools allocates, MTP's head KV and rollback saves included (they were left out: a tight budget passed the
+    check and ran out of memory at the first request)."""
+    from roofline.server.scheduler import CacheMemory
+
+    _, pooled = engines(checkpoint, "cpu", "float32", k)
+    allocated = pooled.pool.nbytes + (pooled.mtp_pool.nbytes if k else 0) + pooled.graphs.saves_nbytes
+    memory = CacheMemory.for_model(pooled.model.config, pooled.model.dtype)
+    assert memory.pooled_bytes(pooled.model.config, pooled.max_model_len, 4, k or 0) == allocated
+    if k:
+        assert memory.pooled_bytes(pooled.model.config, pooled.max_model_len, 4, k) > \
+            memory.pooled_bytes(pooled.model.config, pooled.max_model_len, 4)
+    from roofline.commands.serve import pooled_max_num_seqs
+    from roofline.errors import UserError
+
+    cfg, length = pooled.model.config, pooled.max_model_len
+    assert pooled_max_num_seqs(memory, cfg, length, k or 0, allocated, 8) == 4  # exactly four slots' worth
+    assert pooled_max_num_seqs(memory, cfg, length, k or 0, allocated - 1, 8) == 3
+    assert pooled_max_num_seqs(memory, cfg, length, k or 0, allocated, 2) == 2
+    with pytest.raises(UserError, match="--max-model-len" + (".*speculative" if k else "")):
+        pooled_max_num_seqs(memory, cfg, length, k or 0, memory.pooled_bytes(cfg, length, 1, k or 0) - 1, 8)
+
+
+@cpu
 def test_padding_rows_write_only_the_scratch_places(checkpoint):
     """Three sequences run in a bucket of four: the padding row's keys land in slot 0's reserved tail and its
     GDN state in the scratch slot; the free slot is untouched."""

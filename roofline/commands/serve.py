@@ -89,6 +89,24 @@ def cache_budget(args, engine) -> int:
     return int(_available_ram() * args.gpu_memory_utilization)
 
 
+def pooled_max_num_seqs(memory, cfg, max_model_len: int, drafts: int, budget: int, asked: int) -> int:
+    """How many sequences the CUDA-graph decode path can preallocate within `budget` (at most `asked`): each slot holds
+    a full context (no paging yet), with MTP also the head's KV and the verify's rollback saves."""
+    fixed = memory.pooled_bytes(cfg, max_model_len, 0, drafts)
+    slot = memory.pooled_bytes(cfg, max_model_len, 1, drafts) - fixed
+    if fixed + slot > budget:
+        raise UserError(f"the CUDA-graph decode path preallocates {_gib(fixed + slot)} for one sequence at "
+                        f"--max-model-len {max_model_len} (KV cache and GDN state"
+                        + (f", the MTP head's KV and the verify's rollback saves for {drafts} draft tokens" if drafts else "")
+                        + f"), but {_gib(budget)} is left: lower --max-model-len"
+                        + (" or the number of speculative tokens" if drafts else ""))
+    fits = min(asked, (budget - fixed) // slot)
+    if fits < asked:
+        log.warning("--max-num-seqs %d lowered to %d: the CUDA-graph decode path preallocates a full context per "
+                    "sequence (%s each); lower --max-model-len for more sequences", asked, fits, _gib(slot))
+    return fits
+
+
 def _available_ram() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -164,10 +182,9 @@ def run_serve(args) -> int:
              _gib(budget), memory.kv_bytes_per_token, memory.state_bytes_per_sequence, budget // full)
     max_num_seqs = args.max_num_seqs
     if engine.pooled_decode:  # each slot holds a full context (no paging yet): as many as the budget holds
-        max_num_seqs = min(max_num_seqs, budget // full)
-        if max_num_seqs < args.max_num_seqs:
-            log.warning("--max-num-seqs %d lowered to %d: the CUDA-graph decode path preallocates a full context per "
-                        "sequence; lower --max-model-len for more sequences", args.max_num_seqs, max_num_seqs)
+        drafts = engine.speculator.k_max if engine.speculator else 0
+        max_num_seqs = pooled_max_num_seqs(memory, engine.model.config, engine.max_model_len, drafts, budget,
+                                           args.max_num_seqs)
         engine.max_num_seqs = max_num_seqs
 
     names = args.served_model_name or [args.model if args.model else "roofline-tiny"]

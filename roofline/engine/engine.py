@@ -122,6 +122,11 @@ class LaunchedStep:
         return list(zip(self._host[0].tolist(), self._host[1].tolist(), top))
 
 
+
+def pool_capacity(max_model_len: int) -> int:
+    """Positions a pooled cache slot holds: a verify or padded draft step may run past the length limit."""
+    return max_model_len + MAX_DRAFT_TOKENS + 1
+
 class Engine:
     def __init__(
         self,
@@ -209,7 +214,7 @@ class Engine:
         if not self.pooled_decode or self.pool is not None:
             return
         cfg, model, max_num_seqs = self.model.config, self.model, self.max_num_seqs
-        capacity = self.max_model_len + MAX_DRAFT_TOKENS + 1  # a verify or padded draft step may run past the limit
+        capacity = pool_capacity(self.max_model_len)
         use_graphs = model.device.type == "cuda"
         try:
             self.pool = CachePool(cfg, cfg.layer_types, max_num_seqs, capacity, model.device, model.dtype)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..engine.engine import Engine, Sequence, TokenEvent
+from ..engine.cache import CachePool
+from ..engine.engine import Engine, Sequence, TokenEvent, pool_capacity
 from ..engine.sampling import SamplingParams
 from .metrics import Metrics
 
@@ -55,6 +56,16 @@ class CacheMemory:
         """The longest single sequence whose state fits in `budget` bytes."""
         return max(0, (budget - self.state_bytes_per_sequence) // max(1, self.kv_bytes_per_token))
 
+    def pooled_bytes(self, cfg: ModelConfig, max_model_len: int, slots: int, mtp_drafts: int = 0) -> int:
+        """What the CUDA-graph decode path preallocates (Engine.ensure_pools) for `slots` sequences: per slot a whole
+        context's KV (and a few positions more) and GDN state, with MTP speculation of `mtp_drafts` tokens also the
+        head's KV (one attention layer) and the verify's rollback saves (GDN state and conv windows after each
+        draft); once, the padding rows' GDN slot."""
+        tokens = pool_capacity(max_model_len) + CachePool.PAD_TOKENS
+        full = sum(t == "full_attention" for t in cfg.layer_types)
+        head_kv = self.kv_bytes_per_token // max(1, full) if mtp_drafts else 0  # the MTP head's one attention layer
+        per_slot = tokens * (self.kv_bytes_per_token + head_kv) + (1 + mtp_drafts) * self.state_bytes_per_sequence
+        return slots * per_slot + self.state_bytes_per_sequence
 
 def cache_bytes(seq: Sequence) -> tuple[int, int]:
     """(KV bytes, GDN state bytes) a sequence holds now, counted from its tensors."""
