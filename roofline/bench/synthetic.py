@@ -609,6 +609,7 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                                              f"{r['tok_s']:.1f} tok/s" for r in result["engine_loop"] if "mtp" not in r))
     result["peak_memory_bytes"] = max(peak_before_prefill, torch.cuda.max_memory_allocated()) if cuda else None
     result["pool_bytes"] = pool.nbytes + (mtp_pool.nbytes if mtp_pool else 0)
+    result["graph_captures"] = run.graphs.captures  # what a step that meets a new bucket waits for
     result["targets"] = issue_targets(result)
     return result
 
@@ -715,6 +716,10 @@ def format_report(r: dict) -> str:
                              + ("as" if e["tokens_equal_without_mtp"] else "NOT as") + " without MTP")
     lines.append(f"\npeak GPU memory {_gib(r['peak_memory_bytes'])} GiB (cache pool for {r['capacity_tokens']} tokens: "
                  f"{r['pool_bytes'] / 2**30:.2f} GiB)")
+    if r.get("graph_captures"):
+        slowest = max(r["graph_captures"], key=lambda c: c["seconds"])
+        lines.append(f"CUDA graph captures: {len(r['graph_captures'])}, the slowest {slowest['seconds']:.2f} s (batch "
+                     f"{slowest['batch']} x {slowest['m']}, span {slowest['span']}): a step meeting a new bucket waits that long")
     if r.get("targets"):
         lines += ["", "Issue 4's targets (set on the H200; the INT8 LM head's and the grouped experts' are kernel figures: "
                       "benchmarks/kernels.py):", "| target | measured | asked | |", "|---|---|---|---|"]

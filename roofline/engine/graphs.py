@@ -10,6 +10,7 @@ interpreter) the same step runs eagerly, so the captured code is the tested code
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,6 +97,7 @@ class DecodeGraphs:
         self.buffers: dict[tuple[int, int, int], StepBuffers] = {}
         self.mempool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.replays = 0
+        self.captures: list[dict] = []  # per captured bucket: its key and the seconds its warm-up and capture took
         self.saves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (states [R, ...], conv windows [R, ...])
         if rollback_rows:
             self._reserve_saves(rollback_rows)
@@ -173,8 +175,12 @@ class DecodeGraphs:
             # INT4 GEMM takes them (kernels.dispatch.use_int4_gemm sets the model's max_graph_rows).
             max_rows = getattr(self.model, "max_graph_rows", MAX_EXPERT_TOKENS)
             if self.use_graphs and b * m <= max_rows:
-                self._capture(buf, m, span)
-                log.info("captured the decode step as a CUDA graph: batch %d, %d token(s) per sequence, span %d", b, m, span)
+                start = time.perf_counter()
+                self._capture(buf, m, span)  # the first step of a new bucket waits for this (a new span mid-answer too)
+                seconds = time.perf_counter() - start
+                self.captures.append({"batch": b, "m": m, "span": span, "seconds": seconds})
+                log.info("captured the decode step as a CUDA graph in %.2f s: batch %d, %d token(s) per sequence, span %d",
+                         seconds, b, m, span)
             elif self.use_graphs:
                 log.info("decode steps of batch %d x %d token(s) run eagerly, not as a CUDA graph: %d rows exceed %d "
                          "(ROOFLINE_INT4_GEMM=triton captures up to %d)", b, m, b * m, max_rows, TRITON_GRAPH_ROWS)
