@@ -12,6 +12,7 @@ benchmarks/results/).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -74,13 +75,8 @@ def main():
         meta["graph_launches"] = graph_launches(engine)
         print(json.dumps(meta, indent=1))
         return
-    walls = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            with record_function("Engine.step"):
-                engine.step()
-            walls.append((time.perf_counter() - start) * 1e3)
+        walls = step_walls(engine, args.steps, label="Engine.step")
         torch.cuda.synchronize()
     result = summarise(prof, walls, meta)
     result["graph_launches"] = graph_launches(engine)  # last: its replays move the sequence's caches
@@ -98,11 +94,13 @@ def main():
         print(json.dumps(g))
 
 
-def step_walls(engine, steps: int) -> list[float]:
+def step_walls(engine, steps: int, label: str | None = None) -> list[float]:
+    """ms of each of `steps` engine steps, each in a profiler range named `label` where given."""
     walls = []
     for _ in range(steps):
         start = time.perf_counter()
-        engine.step()
+        with record_function(label) if label else contextlib.nullcontext():
+            engine.step()
         walls.append((time.perf_counter() - start) * 1e3)
     return walls
 

@@ -117,19 +117,18 @@ def test_serve_sizes_the_pool_by_what_the_engine_allocates(checkpoint, k):
     _, pooled = engines(checkpoint, "cpu", "float32", k)
     allocated = pooled.pool.nbytes + (pooled.mtp_pool.nbytes if k else 0) + pooled.graphs.saves_nbytes
     memory = CacheMemory.for_model(pooled.model.config, pooled.model.dtype)
-    assert memory.pooled_bytes(pooled.model.config, pooled.max_model_len, 4, k or 0) == allocated
+    assert memory.pooled_bytes(pooled.max_model_len, 4, k or 0) == allocated
     if k:
-        assert memory.pooled_bytes(pooled.model.config, pooled.max_model_len, 4, k) > \
-            memory.pooled_bytes(pooled.model.config, pooled.max_model_len, 4)
+        assert memory.pooled_bytes(pooled.max_model_len, 4, k) > memory.pooled_bytes(pooled.max_model_len, 4)
     from roofline.commands.serve import pooled_max_num_seqs
     from roofline.errors import UserError
 
-    cfg, length = pooled.model.config, pooled.max_model_len
-    assert pooled_max_num_seqs(memory, cfg, length, k or 0, allocated, 8) == 4  # exactly four slots' worth
-    assert pooled_max_num_seqs(memory, cfg, length, k or 0, allocated - 1, 8) == 3
-    assert pooled_max_num_seqs(memory, cfg, length, k or 0, allocated, 2) == 2
+    length = pooled.max_model_len
+    assert pooled_max_num_seqs(memory, length, k or 0, allocated, 8) == 4  # exactly four slots' worth
+    assert pooled_max_num_seqs(memory, length, k or 0, allocated - 1, 8) == 3
+    assert pooled_max_num_seqs(memory, length, k or 0, allocated, 2) == 2
     with pytest.raises(UserError, match="--max-model-len" + (".*speculative" if k else "")):
-        pooled_max_num_seqs(memory, cfg, length, k or 0, memory.pooled_bytes(cfg, length, 1, k or 0) - 1, 8)
+        pooled_max_num_seqs(memory, length, k or 0, memory.pooled_bytes(length, 1, k or 0) - 1, 8)
 
 
 @cpu

@@ -227,13 +227,12 @@ def test_router_routes_three_and_four_rows_in_one_launch(monkeypatch, rows):
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("rows", [1, 2])
 def test_router_without_a_k_split_routes_as_the_top_k_kernel(monkeypatch, rows, split):
-    """The default: one or two rows route on ROUTER_NO_SPLIT_CONFIG's tiles (one program per output row, no K split;
+    """The default: one or two rows route on ROUTER_FEW_ROWS_CONFIG's tiles (one program per output row, no K split;
     H100, session 18: M = 1 0.018 ms faster), exactly as route_top_k on that GEMV's logits; `split`: ab_step's
     router-split (ROUTER_FEW_ROWS_CONFIG None, fp8_gemv's default split config) likewise on its tiles."""
     from roofline.kernels import blocks
 
-    assert blocks.ROUTER_FEW_ROWS_CONFIG is blocks.ROUTER_NO_SPLIT_CONFIG
-    assert blocks.ROUTER_NO_SPLIT_CONFIG["SPLIT_K"] == 1 and blocks.ROUTER_NO_SPLIT_CONFIG["BN"] == 1
+    assert blocks.ROUTER_FEW_ROWS_CONFIG["SPLIT_K"] == 1 and blocks.ROUTER_FEW_ROWS_CONFIG["BN"] == 1
     if split:
         monkeypatch.setattr(blocks, "ROUTER_FEW_ROWS_CONFIG", None)
     check_router_rows_config(monkeypatch, rows, "ROUTER_FEW_ROWS_CONFIG")

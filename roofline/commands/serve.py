@@ -89,11 +89,11 @@ def cache_budget(args, engine) -> int:
     return int(_available_ram() * args.gpu_memory_utilization)
 
 
-def pooled_max_num_seqs(memory, cfg, max_model_len: int, drafts: int, budget: int, asked: int) -> int:
+def pooled_max_num_seqs(memory, max_model_len: int, drafts: int, budget: int, asked: int) -> int:
     """How many sequences the CUDA-graph decode path can preallocate within `budget` (at most `asked`): each slot holds
     a full context (no paging yet), with MTP also the head's KV and the verify's rollback saves."""
-    fixed = memory.pooled_bytes(cfg, max_model_len, 0, drafts)
-    slot = memory.pooled_bytes(cfg, max_model_len, 1, drafts) - fixed
+    fixed = memory.pooled_bytes(max_model_len, 0, drafts)
+    slot = memory.pooled_bytes(max_model_len, 1, drafts) - fixed
     if fixed + slot > budget:
         raise UserError(f"the CUDA-graph decode path preallocates {_gib(fixed + slot)} for one sequence at "
                         f"--max-model-len {max_model_len} (KV cache and GDN state"
@@ -183,8 +183,7 @@ def run_serve(args) -> int:
     max_num_seqs = args.max_num_seqs
     if engine.pooled_decode:  # each slot holds a full context (no paging yet): as many as the budget holds
         drafts = engine.speculator.k_max if engine.speculator else 0
-        max_num_seqs = pooled_max_num_seqs(memory, engine.model.config, engine.max_model_len, drafts, budget,
-                                           args.max_num_seqs)
+        max_num_seqs = pooled_max_num_seqs(memory, engine.max_model_len, drafts, budget, args.max_num_seqs)
         engine.max_num_seqs = max_num_seqs
 
     names = args.served_model_name or [args.model if args.model else "roofline-tiny"]

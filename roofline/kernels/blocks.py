@@ -85,12 +85,11 @@ FUSED_ROUTE_ROWS = int(_ROUTER_ROWS)
 ROUTER_ROWS_CONFIG = {"BK": 256, "num_warps": 2}  # the one-launch router past two rows
 # The one-launch router of one or two rows on the default split config runs two arrival rounds (each column tile's K
 # splits, then the tiles for the routing); `kernel_floor.py` put a round at +1.25 us. So it reads each output row whole
-# in one program (ROUTER_NO_SPLIT_CONFIG: 257 programs of 1 x 1024 steps, no K split), leaving only the routing's
+# in one program (ROUTER_FEW_ROWS_CONFIG: 257 programs of 1 x 1024 steps, no K split), leaving only the routing's
 # round: in the step (H100, session 18, benchmarks/ab_step.py, 122B, two rounds) M = 1 0.018 ms faster in both rounds,
-# M = 3 (its 3 rows on ROUTER_ROWS_CONFIG) unchanged (+0.005). ROUTER_FEW_ROWS_CONFIG is the 1-2 rows' config; ab_step's
-# variant router-split sets it to None (fp8_gemv's default config, with the K split) for the A/B.
-ROUTER_NO_SPLIT_CONFIG = {"BN": 1, "BK": 1024, "num_warps": 2, "SPLIT_K": 1}
-ROUTER_FEW_ROWS_CONFIG: dict | None = ROUTER_NO_SPLIT_CONFIG
+# M = 3 (its 3 rows on ROUTER_ROWS_CONFIG) unchanged (+0.005). ab_step's variant router-split sets it to None
+# (fp8_gemv's default config, with the K split) for the A/B.
+ROUTER_FEW_ROWS_CONFIG: dict | None = {"BN": 1, "BK": 1024, "num_warps": 2, "SPLIT_K": 1}
 
 
 _routes: list[torch.Tensor] | None = None  # see recording_routes

@@ -69,7 +69,7 @@ def _cases():
         ("shared down (8 x 128), 4 rows", {"BM": 4, "BN": 8, "BK": 128, "HAS_SCALE": True, "TOPK": 0, "NORM": False,
                                            "GATED": False, "experts_ptr": None, "weights_ptr": None, "ss_ptr": None,
                                            "nw_ptr": None, "normed_ptr": None}, 1),
-        ("router + top-8 without a K split (blocks.ROUTER_NO_SPLIT_CONFIG)", {"BM": 1, "BN": 1, "BK": 1024, **router}, 2),
+        ("router + top-8 without a K split (blocks.ROUTER_FEW_ROWS_CONFIG)", {"BM": 1, "BN": 1, "BK": 1024, **router}, 2),
         ("router + top-8 without a K split, 2 rows", {"BM": 2, "BN": 1, "BK": 1024, **router}, 2),
         ("router + top-8, 4 rows (blocks.ROUTER_ROWS_CONFIG)", {"BM": 4, "BN": 8, "BK": 256, **router}, 2),
     ]:

@@ -38,16 +38,17 @@ class CacheMemory:
 
     kv_bytes_per_token: int  # keys + values of every full-attention layer
     state_bytes_per_sequence: int  # conv window + fp32 recurrent state of every GDN layer
+    layer_kv_bytes_per_token: int  # keys + values of one attention layer (the MTP head's cache)
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, dtype: torch.dtype) -> "CacheMemory":
         element = torch.empty((), dtype=dtype).element_size()
         full = sum(t == "full_attention" for t in cfg.layer_types)
         linear = len(cfg.layer_types) - full
-        kv = full * 2 * cfg.num_key_value_heads * cfg.head_dim * element
+        kv = 2 * cfg.num_key_value_heads * cfg.head_dim * element
         conv = (cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim * element
         recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-        return cls(kv, linear * (conv + recurrent))
+        return cls(full * kv, linear * (conv + recurrent), kv)
 
     def sequence_bytes(self, num_tokens: int) -> int:
         return self.state_bytes_per_sequence + self.kv_bytes_per_token * num_tokens
@@ -56,16 +57,16 @@ class CacheMemory:
         """The longest single sequence whose state fits in `budget` bytes."""
         return max(0, (budget - self.state_bytes_per_sequence) // max(1, self.kv_bytes_per_token))
 
-    def pooled_bytes(self, cfg: ModelConfig, max_model_len: int, slots: int, mtp_drafts: int = 0) -> int:
+    def pooled_bytes(self, max_model_len: int, slots: int, mtp_drafts: int = 0) -> int:
         """What the CUDA-graph decode path preallocates (Engine.ensure_pools) for `slots` sequences: per slot a whole
         context's KV (and a few positions more) and GDN state, with MTP speculation of `mtp_drafts` tokens also the
         head's KV (one attention layer) and the verify's rollback saves (GDN state and conv windows after each
         draft); once, the padding rows' GDN slot."""
         tokens = pool_capacity(max_model_len) + CachePool.PAD_TOKENS
-        full = sum(t == "full_attention" for t in cfg.layer_types)
-        head_kv = self.kv_bytes_per_token // max(1, full) if mtp_drafts else 0  # the MTP head's one attention layer
+        head_kv = self.layer_kv_bytes_per_token if mtp_drafts else 0
         per_slot = tokens * (self.kv_bytes_per_token + head_kv) + (1 + mtp_drafts) * self.state_bytes_per_sequence
         return slots * per_slot + self.state_bytes_per_sequence
+
 
 def cache_bytes(seq: Sequence) -> tuple[int, int]:
     """(KV bytes, GDN state bytes) a sequence holds now, counted from its tensors."""
