@@ -140,11 +140,12 @@ def test_engine_loop_measures_async_scheduling_on_the_synthetic_model():
     rows = engine_loop(model, tokens=5, warmup=1, prompt_tokens=4)
     mtp = rows.pop()  # the tiny shape has an MTP head: greedy MTP-2 through the engine, the same tokens
     assert mtp["mtp"] == 2 and mtp["tokens"] == 5 and mtp["tokens_equal_without_mtp"] and mtp["ms_per_step"] > 0
+    assert mtp["slowest_step_ms"] >= mtp["ms_per_step"]
     assert 1 <= mtp["tokens_per_step"] <= 3 and len(mtp["acceptance"]) == 2
     assert [(r["sampling"], r["async_scheduling"]) for r in rows] == [
         ("greedy", False), ("greedy", True), ("sampled", False), ("sampled", True)]
     for r in rows:
-        assert r["tokens"] == 5 and r["ms_per_token"] > 0
+        assert r["tokens"] == 5 and 0 < r["ms_per_token"] <= r["slowest_step_ms"]
         assert r["tokens_equal_async_off"] is (True if r["async_scheduling"] else None)
         assert r["steps_launched_ahead"] == (4 if r["async_scheduling"] else 0)  # every token after the first
 

@@ -12,6 +12,7 @@ import torch
 
 from roofline.config import ModelConfig
 from roofline.engine.cache import CachePool, SequenceCache
+from roofline.engine import graphs as graphs_module
 from roofline.engine.engine import Engine
 from roofline.engine.sampling import SamplingParams
 from roofline.engine.speculative import SpeculativeConfig
@@ -104,6 +105,38 @@ def test_verify_buckets_share_one_reserved_storage_of_rollback_saves(checkpoint)
         assert states.data_ptr() == storage and convs.data_ptr() == graphs.saves[layer][1].data_ptr()
         views.append(span)
     assert len(set(views)) == 2 and graphs.saves_nbytes == 4 * 2 * per_row, "no bucket allocated saves of its own"
+
+
+@cpu
+def test_capture_graphs_makes_every_bucket_a_run_meets(checkpoint, monkeypatch):
+    """`capture_graphs` (serve and chat call it at start) makes every bucket up front, so no step waits for a
+    capture mid-answer: batched sequences, MTP verify and head steps, and contexts crossing span buckets (from 8
+    tokens here, for a short run)."""
+    monkeypatch.setattr(graphs_module, "MIN_SPAN", 8)
+    engine = Engine.from_pretrained(str(checkpoint), device="cpu", dtype="float32", cuda_graphs=True,
+                                    speculative=SpeculativeConfig(2), max_num_seqs=4, max_model_len=20)
+    engine.capture_graphs()
+    main, head = set(engine.graphs.buffers), set(engine.speculator.draft_graphs.buffers)
+    spans = [8, 16, 25]  # the pool holds max_model_len + 5 positions (a verify may run past the limit)
+    assert main == {(b, m, s) for b in (1, 2, 4) for m in (1, 3) for s in spans}
+    assert head == {(b, m, s) for b in (1, 2, 4) for m in (1, 2, 3) for s in spans}
+    assert all(engine.graphs.buffers[key].rollback for key in main if key[1] > 1), "verify buckets save for the rollback"
+    seqs = [engine.add(p, SamplingParams(temperature=0.0, max_tokens=10)) for p in PROMPTS[1:]]  # 3 and 9 tokens
+    while engine.sequences:
+        engine.step()
+    assert max(len(s.prompt_ids) + len(s.output_ids) for s in seqs) > 16, "the run reaches the last span bucket"
+    assert set(engine.graphs.buffers) == main and set(engine.speculator.draft_graphs.buffers) == head
+    assert sum(engine.speculator.drafted) > 0
+
+
+@cpu
+def test_capture_graphs_covers_every_draft_length_auto_may_choose(checkpoint):
+    spec = SpeculativeConfig(3, auto=True)
+    engine = Engine.from_pretrained(str(checkpoint), device="cpu", dtype="float32", cuda_graphs=True, speculative=spec,
+                                    max_num_seqs=1, max_model_len=1000)
+    engine.capture_graphs()
+    assert set(engine.graphs.buffers) == {(1, m, 1005) for m in (1, 2, 3, 4)}
+    assert set(engine.speculator.draft_graphs.buffers) == {(1, m, 1005) for m in (1, 2, 3, 4)}
 
 
 @cpu

@@ -387,16 +387,19 @@ def _one_sequence_engine(model, max_model_len: int, **engine_args) -> Engine:
 
 
 def _engine_steps(model, tokens: int, warmup: int, prompt_tokens: int, sampling: dict, **engine_args):
-    """Decode one sequence through `Engine.step` after a short prompt: (engine, sequence, ms per step after
-    `warmup` steps, which cover the graph captures, steps timed)."""
+    """Decode one sequence through `Engine.step` after a short prompt, its graphs captured first: (engine, sequence,
+    mean ms per step after `warmup` steps, steps timed, the slowest of them in ms)."""
     engine = _one_sequence_engine(model, prompt_tokens + tokens + 1, **engine_args)
+    engine.capture_graphs()  # as serve does: no step below waits for a capture (the last plain steps near the length
+    # limit met a new bucket and took 170 ms on an H100, +0.7 ms on the mean MTP step)
     seq = engine.add([1] * prompt_tokens, SamplingParams(max_tokens=tokens, ignore_eos=True, **sampling))
     stamps = []
     while engine.sequences:
         if engine.step():
             stamps.append(time.perf_counter())
     steady = stamps[min(warmup, len(stamps) // 2):]
-    return engine, seq, (steady[-1] - steady[0]) / max(1, len(steady) - 1) * 1e3, len(steady) - 1
+    gaps = [(b - a) * 1e3 for a, b in zip(steady, steady[1:])] or [0.0]
+    return engine, seq, (steady[-1] - steady[0]) / max(1, len(steady) - 1) * 1e3, len(steady) - 1, max(gaps)
 
 
 def engine_loop(model, tokens: int = 256, warmup: int = 16, prompt_tokens: int = 16, mtp: int = 2) -> list[dict]:
@@ -407,18 +410,19 @@ def engine_loop(model, tokens: int = 256, warmup: int = 16, prompt_tokens: int =
     for name, sampling in ENGINE_SAMPLING.items():
         tokens_off = None  # the run with async scheduling off comes first
         for on in (False, True):
-            engine, seq, ms, _ = _engine_steps(model, tokens, warmup, prompt_tokens, sampling, async_scheduling=on)
+            engine, seq, ms, _, slowest = _engine_steps(model, tokens, warmup, prompt_tokens, sampling, async_scheduling=on)
             rows.append({"sampling": name, "async_scheduling": on, "tokens": len(seq.output_ids), "ms_per_token": ms,
-                         "tok_s": 1e3 / ms, "steps_launched_ahead": engine.steps_launched_ahead,
+                         "slowest_step_ms": slowest, "tok_s": 1e3 / ms, "steps_launched_ahead": engine.steps_launched_ahead,
                          "tokens_equal_async_off": seq.output_ids == tokens_off if on else None})
             tokens_off = seq.output_ids
             if name == "greedy" and not on:
                 greedy_tokens = seq.output_ids
     if model.mtp is not None and mtp:
-        engine, seq, ms, steps = _engine_steps(model, tokens, warmup, prompt_tokens, ENGINE_SAMPLING["greedy"],
-                                               speculative=SpeculativeConfig(mtp))
+        engine, seq, ms, steps, slowest = _engine_steps(model, tokens, warmup, prompt_tokens, ENGINE_SAMPLING["greedy"],
+                                                        speculative=SpeculativeConfig(mtp))
         spec = engine.speculator
         rows.append({"sampling": "greedy", "mtp": mtp, "tokens": len(seq.output_ids), "ms_per_step": ms, "steps": steps,
+                     "slowest_step_ms": slowest,
                      "tokens_per_step": spec.mean_accepted_length(), "acceptance": spec.acceptance_rates(),
                      "tokens_equal_without_mtp": seq.output_ids == greedy_tokens})
     return rows
@@ -570,14 +574,6 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     parts["rest"] = whole - sum(parts.values())
     result["breakdown_ms"] = {"whole_step_graph": whole, **parts,
                               "note": "each component captured alone over all layers; rest = whole step - their sum"}
-    if profile and cuda:  # the one-token step, and the MTP-2 verify step (M = 3) beside it: which kernels its extra time is in
-        for m, key in ((1, "kernel_profile"), (3, "kernel_profile_m3")):
-            if m == 1 or m in verify_tokens:
-                buf = run.graphs.run(step_ids(cfg.vocab_size, m, distinct=True), [run.cache], m)  # a real verify's routing
-                result[key] = kernel_profile(buf.graph.replay, "programmatic dependent launch" in fast.installed)
-                kp = result[key]
-                progress(f"profile M={m}: {kp.get('kernels_per_step', 0):.0f} kernels per step, {kp.get('kernel_us_per_step', 0) / 1e3:.3f}"
-                         f" ms busy in a {kp.get('span_us_per_step', 0) / 1e3:.3f} ms span")
     draft = draft_ms(run, repeats)
     if draft is not None:
         # the verify step as the engine runs it: distinct ids, saving the GDN states a rejected draft rolls back to
@@ -607,6 +603,16 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                 row["modelled_step_ms"] = result["mtp"]["verify_step_ms"][k] + k * result["mtp"]["draft_step_ms"]
         progress("engine loop: " + ", ".join(f"{r['sampling']} async {'on' if r['async_scheduling'] else 'off'} "
                                              f"{r['tok_s']:.1f} tok/s" for r in result["engine_loop"] if "mtp" not in r))
+    # Last: after the profiler has run, every graph launch in the process costs more host time (H100, session 19: the
+    # verify step 6.30 ms measured after it, 5.34 in a fresh process), which the MTP and engine-loop rows would carry.
+    if profile and cuda:  # the one-token step, and the MTP-2 verify step (M = 3) beside it: which kernels its extra time is in
+        for m, key in ((1, "kernel_profile"), (3, "kernel_profile_m3")):
+            if m == 1 or m in verify_tokens:
+                buf = run.graphs.run(step_ids(cfg.vocab_size, m, distinct=True), [run.cache], m)  # a real verify's routing
+                result[key] = kernel_profile(buf.graph.replay, "programmatic dependent launch" in fast.installed)
+                kp = result[key]
+                progress(f"profile M={m}: {kp.get('kernels_per_step', 0):.0f} kernels per step, {kp.get('kernel_us_per_step', 0) / 1e3:.3f}"
+                         f" ms busy in a {kp.get('span_us_per_step', 0) / 1e3:.3f} ms span")
     result["peak_memory_bytes"] = max(peak_before_prefill, torch.cuda.max_memory_allocated()) if cuda else None
     result["pool_bytes"] = pool.nbytes + (mtp_pool.nbytes if mtp_pool else 0)
     result["graph_captures"] = run.graphs.captures  # what a step that meets a new bucket waits for
@@ -616,6 +622,10 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
 
 def _gib(nbytes: int | None) -> str:
     return "-" if nbytes is None else f"{nbytes / 2**30:.1f}"
+
+
+def _ms(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.3f}"  # results written before a field existed
 
 
 def _aside(parts: list[str]) -> str:
@@ -701,16 +711,17 @@ def format_report(r: dict) -> str:
                   f"{'yes' if d['cuda_graph'] else 'no'} | {d['row_tokens_per_s']:.0f} |" for d in r["batch_decode"]]
     if r.get("engine_loop"):
         lines += ["", "Engine decode loop (Engine.step, one sequence, context ~0; the step above reads its token before "
-                      "the next launch):", "| sampling | async scheduling | tok/s | ms/token | steps launched ahead | "
-                      "tokens as with it off |", "|---|---|---|---|---|---|"]
+                      "the next launch; graphs captured first, as serve does):", "| sampling | async scheduling | tok/s | "
+                      "ms/token | slowest step ms | steps launched ahead | tokens as with it off |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {e['sampling']} | {'on' if e['async_scheduling'] else 'off'} | {e['tok_s']:.1f} | {e['ms_per_token']:.3f} | "
-                  f"{e['steps_launched_ahead']} of {e['tokens'] - 1} | "
+                  f"{_ms(e.get('slowest_step_ms'))} | {e['steps_launched_ahead']} of {e['tokens'] - 1} | "
                   f"{'-' if e['tokens_equal_async_off'] is None else 'yes' if e['tokens_equal_async_off'] else 'NO'} |"
                   for e in r["engine_loop"] if "mtp" not in e]
         for e in r["engine_loop"]:
             if "mtp" in e:
                 lines.append(f"MTP-{e['mtp']} greedy through Engine.step: {e['ms_per_step']:.3f} ms per step"
                              + (f" (its captured parts: {e['modelled_step_ms']:.3f} ms)" if "modelled_step_ms" in e else "")
+                             + (f", the slowest {e['slowest_step_ms']:.3f} ms" if "slowest_step_ms" in e else "")
                              + f", {e['tokens_per_step']:.2f} tokens per step (random weights: acceptance "
                              f"{', '.join(f'{a:.2f}' for a in e['acceptance'])}); tokens "
                              + ("as" if e["tokens_equal_without_mtp"] else "NOT as") + " without MTP")
@@ -719,7 +730,9 @@ def format_report(r: dict) -> str:
     if r.get("graph_captures"):
         slowest = max(r["graph_captures"], key=lambda c: c["seconds"])
         lines.append(f"CUDA graph captures: {len(r['graph_captures'])}, the slowest {slowest['seconds']:.2f} s (batch "
-                     f"{slowest['batch']} x {slowest['m']}, span {slowest['span']}): a step meeting a new bucket waits that long")
+                     f"{slowest['batch']} x {slowest['m']}, span {slowest['span']}, kernels compiled first where new) in "
+                     "this benchmark's lazily captured runner; serve and chat capture every bucket at start (--lazy-capture: "
+                     "a step meeting a new bucket waits this long)")
     if r.get("targets"):
         lines += ["", "Issue 4's targets (set on the H200; the INT8 LM head's and the grouped experts' are kernel figures: "
                       "benchmarks/kernels.py):", "| target | measured | asked | |", "|---|---|---|---|"]

@@ -42,6 +42,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep the LM head as the checkpoint stores it (default on CUDA: quantised to INT8 per row at load)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: decode eagerly on per-sequence caches (as vLLM's flag; for debugging)")
+    p.add_argument("--lazy-capture", action="store_true",
+                   help="capture each CUDA graph bucket when a decode step first needs it: a faster start, but that step "
+                        "waits for the capture (~0.2-1 s; a longer context or one more concurrent request meets a new "
+                        "bucket mid-answer). Default: every bucket (batch x tokens per sequence x attention span) at start")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each decode step's tokens before launching the next (default: the next step is launched "
                         "from the sampled tokens on the device while the host reads them)")

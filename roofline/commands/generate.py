@@ -54,10 +54,13 @@ def register(sub) -> None:
 def load_engine(args):
     from ..engine.engine import Engine
 
-    return Engine.from_pretrained(
+    engine = Engine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         speculative=parse_speculative_config(args), max_num_seqs=1, **engine_options(args),  # one sequence at a time
     )
+    if not args.lazy_capture:
+        engine.capture_graphs()
+    return engine
 
 
 def sampling_params(engine, args):

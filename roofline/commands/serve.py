@@ -185,6 +185,8 @@ def run_serve(args) -> int:
         drafts = engine.speculator.k_max if engine.speculator else 0
         max_num_seqs = pooled_max_num_seqs(memory, engine.max_model_len, drafts, budget, args.max_num_seqs)
         engine.max_num_seqs = max_num_seqs
+        if not args.lazy_capture:
+            engine.capture_graphs()  # before the port opens: no request waits for a capture
 
     names = args.served_model_name or [args.model if args.model else "roofline-tiny"]
     config = ServerConfig(

@@ -246,6 +246,30 @@ class Engine:
                  max_num_seqs, self.max_model_len, total / 2**30, "CUDA graphs per batch bucket" if use_graphs else "eager (no CUDA)",
                  scheduling)
 
+    def capture_graphs(self) -> None:
+        """Make every decode-step bucket now, as vLLM captures its graphs at start: plain steps (one token), and with
+        MTP the verify steps (k + 1 tokens for each k the engine may draft) and the head's forwards (1..k + 1 pairs),
+        for every batch bucket and attention span. Otherwise the first step meeting a new bucket (a longer context
+        mid-answer, one more concurrent request) waits for its capture. Allocates the pools first."""
+        self.ensure_pools()
+        if self.graphs is None:
+            return
+        cuda = self.device.type == "cuda"
+        start, before = time.perf_counter(), torch.cuda.memory_allocated(self.device) if cuda else 0
+        try:
+            made = self.graphs.prepare([1])
+            if self.speculator:
+                ks = range(1, self.speculator.k_max + 1) if self.speculator.chooser else [self.speculator.k_max]
+                made += self.graphs.prepare([k + 1 for k in ks], rollback=True)
+                made += self.speculator.draft_graphs.prepare(list(range(1, max(ks) + 2)))
+        except torch.OutOfMemoryError:
+            raise UserError(f"capturing the decode step's CUDA graphs for {self.max_num_seqs} sequences of "
+                            f"{self.max_model_len} tokens ran out of GPU memory: lower --max-num-seqs or --max-model-len, "
+                            "or pass --lazy-capture (each bucket is captured when a step first needs it)") from None
+        grown = (torch.cuda.memory_allocated(self.device) - before) / 2**20 if cuda else 0.0
+        log.info("made %d decode-step buckets (batch x tokens per sequence x attention span) in %.1f s%s", made,
+                 time.perf_counter() - start, f", {grown:.0f} MiB of GPU memory" if cuda else " (eager: no CUDA)")
+
     @property
     def device(self) -> torch.device:
         return self.model.device

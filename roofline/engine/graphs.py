@@ -29,6 +29,14 @@ def _bucket(n: int, cap: int) -> int:
     return min(cap, 1 << max(0, n - 1).bit_length())
 
 
+def _all_buckets(first: int, cap: int) -> list[int]:
+    """Every bucket `_bucket(n, cap)` gives for first <= n <= cap, ascending."""
+    buckets = [_bucket(first, cap)]
+    while buckets[-1] < cap:
+        buckets.append(_bucket(buckets[-1] + 1, cap))
+    return buckets
+
+
 class StepInputs:
     """The step's integer inputs as views of one device buffer, filled from one (pinned) host buffer by one copy.
 
@@ -186,6 +194,19 @@ class DecodeGraphs:
                          "(ROOFLINE_INT4_GEMM=triton captures up to %d)", b, m, b * m, max_rows, TRITON_GRAPH_ROWS)
             self.buffers[key] = buf
         return buf, b, span
+
+    def prepare(self, ms: list[int], rollback: bool = False) -> int:
+        """Make now (on a GPU: capture) every bucket of `ms` tokens per sequence that a step can meet, each batch
+        bucket up to `max_batch` by each attention span up to the pool's capacity, so no step waits for a capture
+        mid-answer (a new span's capture took 0.2-0.3 s on an H100, and up to 10 s where it compiled kernels
+        first). Returns how many buckets were new."""
+        before = len(self.buffers)
+        spans = _all_buckets(MIN_SPAN, self.pool.max_len)
+        for b in _all_buckets(1, self.max_batch):
+            for m in ms:
+                for span in spans:
+                    self.buffers_for(b, m, span, rollback)
+        return len(self.buffers) - before
 
     def run(self, ids: list[int] | torch.Tensor, caches: list[SlotCache], m: int, rollback: bool = False,
             hidden: torch.Tensor | None = None) -> StepBuffers:
