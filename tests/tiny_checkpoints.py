@@ -70,7 +70,7 @@ def reference_model(cfg: dict, seed: int = 0):
     """A transformers model for `cfg` with random bf16-representable fp32 weights, and random MTP tensors."""
     import transformers
 
-    arch = getattr(transformers, cfg["architectures"][0])
+    arch = hf_class(cfg["architectures"][0])
     config_cls = transformers.Qwen3_5MoeTextConfig if "Moe" in arch.__name__ else transformers.Qwen3_5TextConfig
     hf_cfg = config_cls(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
     torch.manual_seed(seed)
@@ -86,6 +86,35 @@ def reference_model(cfg: dict, seed: int = 0):
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() == 1 else p.shape[-1] ** -0.5))
             p.copy_(p.bfloat16().float())
     return model, mtp_tensors(model, cfg, gen)
+
+
+def hf_class(name: str):
+    """transformers' model class `name`, its modeling module imported with fla-core hidden where it is installed (the
+    GPU environment): transformers 5.17 binds fla's Triton kernels when it imports the module, and they fail on this
+    CPU reference model (5.24+ fall back to PyTorch for CPU inputs). The module is imported again if it was already."""
+    import importlib
+    import sys
+
+    import transformers
+
+    package = "qwen3_5_moe" if "Moe" in name else "qwen3_5"
+    path = f"transformers.models.{package}.modeling_{package}"
+    fla = {k: v for k, v in sys.modules.items() if k == "fla" or k.startswith("fla.")}
+    if not fla and importlib.util.find_spec("fla") is None:
+        return getattr(transformers, name)
+    checks = [f for f in vars(transformers.utils.import_utils).values() if hasattr(f, "cache_clear")]
+    try:
+        sys.modules.update({k: None for k in fla} | {"fla": None})
+        for check in checks:
+            check.cache_clear()
+        module = importlib.reload(sys.modules[path]) if path in sys.modules else importlib.import_module(path)
+    finally:
+        for k in [k for k in sys.modules if k == "fla" or k.startswith("fla.")]:
+            del sys.modules[k]
+        sys.modules.update(fla)
+        for check in checks:
+            check.cache_clear()
+    return getattr(module, name)
 
 
 def mtp_tensors(model, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
