@@ -7,10 +7,10 @@
 #                                                   # what they replaced (router-split, int4-split-verify) (~5 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
-#   OUT=... bash benchmarks/experiments.sh mtp      # where an MTP-2 step through Engine.step spends its time
+#   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
+#                                                   # where an MTP-2 step through Engine.step spends its time
 #                                                   # (profile_mtp_engine.py, then unprofiled without PDL; H100,
-#                                                   # session 18: 7.69 ms a step against ~7.0 of GPU work, before
-#                                                   # 59ad0f7 moved the head's first forward) (~3 min)
+#                                                   # session 19: 6.81 ms a step, its GPU work) (~4 min)
 #   OUT=... bash benchmarks/experiments.sh shapes   # the 35B-A3B and 27B rows (~2 min)
 #   OUT=... bash benchmarks/experiments.sh tests    # the pooled-decode / fast-path / generate-CLI GPU files (~5 min)
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
@@ -66,7 +66,8 @@ case "${1:-}" in
       | tee "$OUT/synthetic-122b.log" | grep -v "^| _\|^| void" | tail -70
     ;;
   mtp)  # the profile, then without PDL: graph launch host costs (unprofiled) against the default's
-    timeout 200 python3 benchmarks/profile_mtp_engine.py --shape qwen3.5-122b-a10b --steps 20 2>&1 \
+    len=$([ "$(capacity)" = 256K ] && echo 262144 || echo 131072)  # capture_graphs' start time and memory at that context
+    timeout 260 python3 benchmarks/profile_mtp_engine.py --shape qwen3.5-122b-a10b --steps 20 --max-model-len "$len" 2>&1 \
       | grep -v '"start"\|"end"\|"kernels"\|"first"\|^  [{}]' | tail -80
     ROOFLINE_PDL=0 timeout 150 python3 benchmarks/profile_mtp_engine.py --shape qwen3.5-122b-a10b --steps 20 --no-profile \
       2>&1 | tail -40

@@ -57,19 +57,26 @@ def main():
     ap.add_argument("--warmup", type=int, default=24)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-profile", action="store_true", help="only the unprofiled step times and graph launch costs")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the context limit, which sets the attention spans captured at start (default: what the steps "
+                         "need, one span); e.g. 131072 for what capture_graphs costs a server on an 80 GB card")
     args = ap.parse_args()
     formats = resolve_layout("hybrid", {"lm_head": "int8"})  # bench synthetic's default layout
     model, _ = build_synthetic_model(args.shape, formats, "cuda", layers=args.layers)
     install_fast_path(model)
     label_methods()
-    engine = _one_sequence_engine(model, 16 + args.warmup * 4 + args.steps * 4 + 64,
+    engine = _one_sequence_engine(model, args.max_model_len or 16 + args.warmup * 4 + args.steps * 4 + 64,
                                   speculative=SpeculativeConfig(args.mtp))
+    captured = engine.capture_graphs()  # as serve does; what it costs at start on this shape
+    print(f"capture_graphs: {captured['buckets']} buckets in {captured['seconds']:.1f} s, "
+          f"{captured['bytes'] / 2**20:.0f} MiB", flush=True)
     engine.add([1] * 16, SamplingParams(max_tokens=10**6, ignore_eos=True, **ENGINE_SAMPLING["greedy"]))
-    for _ in range(args.warmup):  # the prefill, then steps that capture every graph
+    for _ in range(args.warmup):  # the prefill, then steps that compile what the captures did not
         engine.step()
     torch.cuda.synchronize()
     walls = step_walls(engine, args.steps)  # without the profiler, whose tracing slows graph launches
     meta = {"shape": args.shape, "layers": args.layers, "mtp": args.mtp, "pdl": pdl_supported(model.device),
+            "capture_graphs": captured,
             "unprofiled_step_ms_median": sorted(walls)[len(walls) // 2], "unprofiled_step_ms": walls}
     # Before the profiler: once it has run, every graph launch in the process costs far more host time (H100, session
     # 19: the M = 3 verify graph's launch 401 us measured after it, 6 us in a fresh process). Its replays move the

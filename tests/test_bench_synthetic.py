@@ -351,3 +351,19 @@ def test_the_issue_targets_are_judged_from_the_run_and_a_miss_says_by_how_much()
     assert "The step's graph takes 3.150 ms at context 0 against 1.331 ms for its bytes" in report
     assert "routed experts 1.573 ms, gdn 1.278 ms" in report
     assert issue_targets({**result, "shape": "qwen3.5-35b-a3b"}) == [] and issue_targets({**result, "layers": 4}) == []
+
+
+def test_collector_pauses_records_each_garbage_collection_in_the_block():
+    import gc
+
+    from roofline.bench.synthetic import collector_pauses
+
+    gc.disable()  # only the collections asked for below
+    try:
+        with collector_pauses() as pauses:
+            gc.collect()
+            gc.collect(0)
+        gc.collect()  # after the block: not recorded
+    finally:
+        gc.enable()
+    assert [generation for generation, _ in pauses] == [2, 0] and all(ms >= 0 for _, ms in pauses)

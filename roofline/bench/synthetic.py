@@ -27,6 +27,8 @@ measures in the same run:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import statistics
 import time
@@ -386,20 +388,42 @@ def _one_sequence_engine(model, max_model_len: int, **engine_args) -> Engine:
                   **engine_args)
 
 
+@contextlib.contextmanager
+def collector_pauses():
+    """The garbage collector's runs inside the block, as a list of (generation, ms) filled when it exits."""
+    pauses, started = [], {}
+
+    def note(phase, info):
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        elif "t" in started:
+            pauses.append((info["generation"], (time.perf_counter() - started.pop("t")) * 1e3))
+
+    gc.callbacks.append(note)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(note)
+
+
 def _engine_steps(model, tokens: int, warmup: int, prompt_tokens: int, sampling: dict, **engine_args):
     """Decode one sequence through `Engine.step` after a short prompt, its graphs captured first: (engine, sequence,
-    mean ms per step after `warmup` steps, steps timed, the slowest of them in ms)."""
+    timing: mean ms per step after `warmup` steps, steps timed, the slowest of them, the garbage collector's runs and
+    ms over the whole loop)."""
     engine = _one_sequence_engine(model, prompt_tokens + tokens + 1, **engine_args)
     engine.capture_graphs()  # as serve does: no step below waits for a capture (the last plain steps near the length
     # limit met a new bucket and took 170 ms on an H100, +0.7 ms on the mean MTP step)
     seq = engine.add([1] * prompt_tokens, SamplingParams(max_tokens=tokens, ignore_eos=True, **sampling))
     stamps = []
-    while engine.sequences:
-        if engine.step():
-            stamps.append(time.perf_counter())
+    with collector_pauses() as pauses:
+        while engine.sequences:
+            if engine.step():
+                stamps.append(time.perf_counter())
     steady = stamps[min(warmup, len(stamps) // 2):]
     gaps = [(b - a) * 1e3 for a, b in zip(steady, steady[1:])] or [0.0]
-    return engine, seq, (steady[-1] - steady[0]) / max(1, len(steady) - 1) * 1e3, len(steady) - 1, max(gaps)
+    timing = {"ms": (steady[-1] - steady[0]) / max(1, len(steady) - 1) * 1e3, "steps": len(steady) - 1,
+              "slowest_step_ms": max(gaps), "gc_runs": len(pauses), "gc_ms": sum(ms for _, ms in pauses)}
+    return engine, seq, timing
 
 
 def engine_loop(model, tokens: int = 256, warmup: int = 16, prompt_tokens: int = 16, mtp: int = 2) -> list[dict]:
@@ -410,19 +434,21 @@ def engine_loop(model, tokens: int = 256, warmup: int = 16, prompt_tokens: int =
     for name, sampling in ENGINE_SAMPLING.items():
         tokens_off = None  # the run with async scheduling off comes first
         for on in (False, True):
-            engine, seq, ms, _, slowest = _engine_steps(model, tokens, warmup, prompt_tokens, sampling, async_scheduling=on)
-            rows.append({"sampling": name, "async_scheduling": on, "tokens": len(seq.output_ids), "ms_per_token": ms,
-                         "slowest_step_ms": slowest, "tok_s": 1e3 / ms, "steps_launched_ahead": engine.steps_launched_ahead,
+            engine, seq, t = _engine_steps(model, tokens, warmup, prompt_tokens, sampling, async_scheduling=on)
+            rows.append({"sampling": name, "async_scheduling": on, "tokens": len(seq.output_ids), "ms_per_token": t["ms"],
+                         "slowest_step_ms": t["slowest_step_ms"], "gc_runs": t["gc_runs"], "gc_ms": t["gc_ms"],
+                         "tok_s": 1e3 / t["ms"], "steps_launched_ahead": engine.steps_launched_ahead,
                          "tokens_equal_async_off": seq.output_ids == tokens_off if on else None})
             tokens_off = seq.output_ids
             if name == "greedy" and not on:
                 greedy_tokens = seq.output_ids
     if model.mtp is not None and mtp:
-        engine, seq, ms, steps, slowest = _engine_steps(model, tokens, warmup, prompt_tokens, ENGINE_SAMPLING["greedy"],
-                                                        speculative=SpeculativeConfig(mtp))
+        engine, seq, t = _engine_steps(model, tokens, warmup, prompt_tokens, ENGINE_SAMPLING["greedy"],
+                                       speculative=SpeculativeConfig(mtp))
         spec = engine.speculator
-        rows.append({"sampling": "greedy", "mtp": mtp, "tokens": len(seq.output_ids), "ms_per_step": ms, "steps": steps,
-                     "slowest_step_ms": slowest,
+        rows.append({"sampling": "greedy", "mtp": mtp, "tokens": len(seq.output_ids), "ms_per_step": t["ms"],
+                     "steps": t["steps"], "slowest_step_ms": t["slowest_step_ms"], "gc_runs": t["gc_runs"],
+                     "gc_ms": t["gc_ms"],
                      "tokens_per_step": spec.mean_accepted_length(), "acceptance": spec.acceptance_rates(),
                      "tokens_equal_without_mtp": seq.output_ids == greedy_tokens})
     return rows
@@ -717,6 +743,10 @@ def format_report(r: dict) -> str:
                   f"{_ms(e.get('slowest_step_ms'))} | {e['steps_launched_ahead']} of {e['tokens'] - 1} | "
                   f"{'-' if e['tokens_equal_async_off'] is None else 'yes' if e['tokens_equal_async_off'] else 'NO'} |"
                   for e in r["engine_loop"] if "mtp" not in e]
+        collected = [e for e in r["engine_loop"] if "gc_runs" in e]
+        if collected:
+            lines.append("Garbage collector during each loop (rows in order): " + ", ".join(
+                f"{e['gc_runs']} runs {e['gc_ms']:.1f} ms" for e in collected))
         for e in r["engine_loop"]:
             if "mtp" in e:
                 lines.append(f"MTP-{e['mtp']} greedy through Engine.step: {e['ms_per_step']:.3f} ms per step"

@@ -246,14 +246,15 @@ class Engine:
                  max_num_seqs, self.max_model_len, total / 2**30, "CUDA graphs per batch bucket" if use_graphs else "eager (no CUDA)",
                  scheduling)
 
-    def capture_graphs(self) -> None:
+    def capture_graphs(self) -> dict | None:
         """Make every decode-step bucket now, as vLLM captures its graphs at start: plain steps (one token), and with
         MTP the verify steps (k + 1 tokens for each k the engine may draft) and the head's forwards (1..k + 1 pairs),
         for every batch bucket and attention span. Otherwise the first step meeting a new bucket (a longer context
-        mid-answer, one more concurrent request) waits for its capture. Allocates the pools first."""
+        mid-answer, one more concurrent request) waits for its capture. Allocates the pools first. Returns the
+        buckets made, the seconds and the GPU memory it took (None without pooled decode)."""
         self.ensure_pools()
         if self.graphs is None:
-            return
+            return None
         cuda = self.device.type == "cuda"
         start, before = time.perf_counter(), torch.cuda.memory_allocated(self.device) if cuda else 0
         try:
@@ -266,9 +267,11 @@ class Engine:
             raise UserError(f"capturing the decode step's CUDA graphs for {self.max_num_seqs} sequences of "
                             f"{self.max_model_len} tokens ran out of GPU memory: lower --max-num-seqs or --max-model-len, "
                             "or pass --lazy-capture (each bucket is captured when a step first needs it)") from None
-        grown = (torch.cuda.memory_allocated(self.device) - before) / 2**20 if cuda else 0.0
-        log.info("made %d decode-step buckets (batch x tokens per sequence x attention span) in %.1f s%s", made,
-                 time.perf_counter() - start, f", {grown:.0f} MiB of GPU memory" if cuda else " (eager: no CUDA)")
+        made = {"buckets": made, "seconds": time.perf_counter() - start,
+                "bytes": torch.cuda.memory_allocated(self.device) - before if cuda else 0}
+        log.info("made %d decode-step buckets (batch x tokens per sequence x attention span) in %.1f s%s", made["buckets"],
+                 made["seconds"], f", {made['bytes'] / 2**20:.0f} MiB of GPU memory" if cuda else " (eager: no CUDA)")
+        return made
 
     @property
     def device(self) -> torch.device:
