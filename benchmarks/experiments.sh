@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 18"), as phases that each fit one 10-minute
-# device call (session 18 on a warm H100: `next`'s old form 267 s, `mtp` 176 s); `mtp` first, then `next`:
-#   OUT=... bash benchmarks/experiments.sh next     # the GPU tests of session 18's defaults (the verify rows' INT4
-#                                                   # GEMVs without a K split, the router at 1-4 rows, the GDN
-#                                                   # kernel, graph tokens), then the A/B of those defaults against
-#                                                   # what they replaced (router-split, int4-split-verify) (~5 min)
+# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 19"), as phases that each fit one 10-minute
+# device call (session 19 on a warm H100: `first` 146 s, `mtp` 144 s, `next`'s old form 229 s); `next` first:
+#   OUT=... bash benchmarks/experiments.sh next     # session 19's experiment, each layer's input norm taken in its
+#                                                   # mixer's projections (ROOFLINE_INPUT_NORM_ON_LOAD=1): its GPU
+#                                                   # tests, then its A/B in ab_step.py (~5 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -54,11 +53,10 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout -s INT -k 15 "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  next)  # session 18's defaults: GPU tests, then the A/B against what they replaced
-    gpu_tests 90 -m gpu tests/test_kernels.py -k "no_split or one_buffer or grouped_dense or residual_and_norm or gdn_decode"
-    gpu_tests 30 tests/test_small_ops.py -k "router"  # unmarked: no -m gpu
-    gpu_tests 90 -m gpu tests/test_pooled_decode.py -k cuda_graph_greedy  # graph tokens = reference, MTP-2 too
-    timeout 200 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify --rounds 2 2>&1 | tail -10
+  next)  # session 19's experiment (the layer's input norm in its projections): GPU tests, then the A/B
+    gpu_tests 90 -m gpu tests/test_kernels.py -k "input_norm_on_load or experts_down_epilogue"
+    gpu_tests 120 -m gpu tests/test_pooled_decode.py -k "input_norm_on_load"
+    timeout 200 python3 benchmarks/ab_step.py --variants input-norm-on-load --rounds 3 2>&1 | tail -10
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
