@@ -52,7 +52,7 @@ def register(sub) -> None:
 
 
 def load_engine(args):
-    from ..engine.engine import Engine
+    from ..engine.engine import Engine, freeze_startup_heap
 
     engine = Engine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -60,6 +60,7 @@ def load_engine(args):
     )
     if not args.lazy_capture:
         engine.capture_graphs()
+    freeze_startup_heap()
     return engine
 
 

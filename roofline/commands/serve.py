@@ -143,7 +143,7 @@ def run_serve(args) -> int:
 
     import uvicorn
 
-    from ..engine.engine import Engine
+    from ..engine.engine import Engine, freeze_startup_heap
     from ..hub import resolve_model
     from ..server.app import ServerConfig, create_app
     from ..server.scheduler import CacheMemory
@@ -187,6 +187,7 @@ def run_serve(args) -> int:
         engine.max_num_seqs = max_num_seqs
         if not args.lazy_capture:
             engine.capture_graphs()  # before the port opens: no request waits for a capture
+    freeze_startup_heap()
 
     names = args.served_model_name or [args.model if args.model else "roofline-tiny"]
     config = ServerConfig(
