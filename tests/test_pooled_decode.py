@@ -130,6 +130,21 @@ def test_capture_graphs_makes_every_bucket_a_run_meets(checkpoint, monkeypatch):
 
 
 @cpu
+def test_capture_graphs_out_of_memory_names_the_flags(checkpoint, monkeypatch):
+    from roofline.errors import UserError
+
+    engine = Engine.from_pretrained(str(checkpoint), device="cpu", dtype="float32", cuda_graphs=True, max_model_len=64)
+    engine.ensure_pools()
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(engine.graphs, "prepare", out_of_memory)
+    with pytest.raises(UserError, match="--max-model-len.*--lazy-capture"):
+        engine.capture_graphs()
+
+
+@cpu
 def test_capture_graphs_covers_every_draft_length_auto_may_choose(checkpoint):
     spec = SpeculativeConfig(3, auto=True)
     engine = Engine.from_pretrained(str(checkpoint), device="cpu", dtype="float32", cuda_graphs=True, speculative=spec,

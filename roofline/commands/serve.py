@@ -186,7 +186,7 @@ def run_serve(args) -> int:
         max_num_seqs = pooled_max_num_seqs(memory, engine.max_model_len, drafts, budget, args.max_num_seqs)
         engine.max_num_seqs = max_num_seqs
         if not args.lazy_capture:
-            engine.capture_graphs()  # before the port opens: no request waits for a capture
+            engine.capture_graphs()  # before the server takes requests: none waits for a capture
     freeze_startup_heap()
 
     names = args.served_model_name or [args.model if args.model else "roofline-tiny"]

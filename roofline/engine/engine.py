@@ -275,7 +275,7 @@ class Engine:
                 made += self.speculator.draft_graphs.prepare(list(range(1, max(ks) + 2)))
         except torch.OutOfMemoryError:
             raise UserError(f"capturing the decode step's CUDA graphs for {self.max_num_seqs} sequences of "
-                            f"{self.max_model_len} tokens ran out of GPU memory: lower --max-num-seqs or --max-model-len, "
+                            f"{self.max_model_len} tokens ran out of GPU memory: lower --max-model-len (serve: or --max-num-seqs), "
                             "or pass --lazy-capture (each bucket is captured when a step first needs it)") from None
         made = {"buckets": made, "seconds": time.perf_counter() - start,
                 "bytes": torch.cuda.memory_allocated(self.device) - before if cuda else 0}
