@@ -266,6 +266,9 @@ class Engine:
         if self.graphs is None:
             return None
         cuda = self.device.type == "cuda"
+        if cuda:  # ~0.2-0.3 s a bucket once the kernels are compiled: a large server's start takes a minute or more
+            log.info("capturing the decode step's CUDA graphs for up to %d sequences and %d tokens of context "
+                     "(--lazy-capture: each when a step first needs it instead) ...", self.max_num_seqs, self.max_model_len)
         start, before = time.perf_counter(), torch.cuda.memory_allocated(self.device) if cuda else 0
         try:
             made = self.graphs.prepare([1])
