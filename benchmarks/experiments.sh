@@ -55,7 +55,7 @@ gpu_tests() {  # time limit, pytest arguments...
 case "${1:-}" in
   next)  # session 19's experiment (the layer's input norm in its projections): GPU tests, then the A/B
     gpu_tests 90 -m gpu tests/test_kernels.py -k "input_norm_on_load or experts_down_epilogue"
-    gpu_tests 120 -m gpu tests/test_pooled_decode.py -k "input_norm_on_load"
+    gpu_tests 150 -m gpu tests/test_pooled_decode.py -k "input_norm_on_load or cuda_graph_greedy"  # + capture at start
     timeout 200 python3 benchmarks/ab_step.py --variants input-norm-on-load --rounds 3 2>&1 | tail -10
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile

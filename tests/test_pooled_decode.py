@@ -243,10 +243,17 @@ def test_slot_cache_views_follow_its_length():
 @pytest.mark.parametrize("k", [None, 2])
 def test_cuda_graph_greedy_tokens_equal_reference(checkpoint, k):
     reference, pooled = engines(checkpoint, "cuda", "float32", k)
+    pooled.capture_graphs()  # as serve does: every bucket before the first request
+
+    def captures():
+        return len(pooled.graphs.captures) + (len(pooled.speculator.draft_graphs.captures) if k else 0)
+
+    made = captures()
     prompts = PROMPTS + [list(range(3, 60))]  # a prompt long enough for the chunked (fla) GDN prefill
     want = greedy(reference, prompts, n=24)
     assert greedy(pooled, prompts, n=24) == want
     assert pooled.graphs.replays > 0, "decode steps replay captured graphs"
+    assert captures() == made > 0, "no step waited for a capture"
 
 
 def run_schedule(engine, schedule):
