@@ -55,6 +55,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "decode tokens come on top")
 
 
+def start_engine(engine, args: argparse.Namespace) -> None:
+    """What serve, chat and generate do once the engine is loaded (serve: and its sequence count settled): capture
+    every CUDA graph bucket unless --lazy-capture, then freeze the startup heap out of the garbage collector."""
+    from ..engine.engine import freeze_startup_heap
+
+    if not args.lazy_capture:
+        engine.capture_graphs()  # a no-op without the pooled (CUDA-graph) decode path
+    freeze_startup_heap()
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     """Engine.from_pretrained keywords from add_engine_args' flags; None lets the engine decide by device."""
     return {"int8_lm_head": False if args.no_int8_lm_head else None, "cuda_graphs": False if args.enforce_eager else None,

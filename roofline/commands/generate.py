@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..errors import UserError
-from .flags import add_engine_args, add_speculative_args, engine_options, parse_speculative_config
+from .flags import add_engine_args, add_speculative_args, engine_options, parse_speculative_config, start_engine
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -52,15 +52,13 @@ def register(sub) -> None:
 
 
 def load_engine(args):
-    from ..engine.engine import Engine, freeze_startup_heap
+    from ..engine.engine import Engine
 
     engine = Engine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         speculative=parse_speculative_config(args), max_num_seqs=1, **engine_options(args),  # one sequence at a time
     )
-    if not args.lazy_capture:
-        engine.capture_graphs()
-    freeze_startup_heap()
+    start_engine(engine, args)
     return engine
 
 

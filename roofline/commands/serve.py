@@ -9,7 +9,7 @@ import re
 import time
 
 from ..errors import UserError
-from .flags import add_engine_args, add_speculative_args, engine_options, parse_speculative_config
+from .flags import add_engine_args, add_speculative_args, engine_options, parse_speculative_config, start_engine
 
 log = logging.getLogger("roofline.serve")
 
@@ -143,7 +143,7 @@ def run_serve(args) -> int:
 
     import uvicorn
 
-    from ..engine.engine import Engine, freeze_startup_heap
+    from ..engine.engine import Engine
     from ..hub import resolve_model
     from ..server.app import ServerConfig, create_app
     from ..server.scheduler import CacheMemory
@@ -185,9 +185,7 @@ def run_serve(args) -> int:
         drafts = engine.speculator.k_max if engine.speculator else 0
         max_num_seqs = pooled_max_num_seqs(memory, engine.max_model_len, drafts, budget, args.max_num_seqs)
         engine.max_num_seqs = max_num_seqs
-        if not args.lazy_capture:
-            engine.capture_graphs()  # before the server takes requests: none waits for a capture
-    freeze_startup_heap()
+    start_engine(engine, args)  # before the server takes requests: none waits for a graph capture
 
     names = args.served_model_name or [args.model if args.model else "roofline-tiny"]
     config = ServerConfig(

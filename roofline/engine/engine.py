@@ -123,7 +123,6 @@ class LaunchedStep:
         return list(zip(self._host[0].tolist(), self._host[1].tolist(), top))
 
 
-
 def freeze_startup_heap() -> None:
     """Put every object alive now (the model's modules and tensors, the caches, the captured graphs' buffers) out of
     the garbage collector's reach, as vLLM does once it has started: a full collection, which Python runs every so
@@ -136,6 +135,7 @@ def freeze_startup_heap() -> None:
 def pool_capacity(max_model_len: int) -> int:
     """Positions a pooled cache slot holds: a verify or padded draft step may run past the length limit."""
     return max_model_len + MAX_DRAFT_TOKENS + 1
+
 
 class Engine:
     def __init__(
@@ -271,16 +271,16 @@ class Engine:
                      "(--lazy-capture: each when a step first needs it instead) ...", self.max_num_seqs, self.max_model_len)
         start, before = time.perf_counter(), torch.cuda.memory_allocated(self.device) if cuda else 0
         try:
-            made = self.graphs.prepare([1])
+            buckets = self.graphs.prepare([1])
             if self.speculator:
                 ks = range(1, self.speculator.k_max + 1) if self.speculator.chooser else [self.speculator.k_max]
-                made += self.graphs.prepare([k + 1 for k in ks], rollback=True)
-                made += self.speculator.draft_graphs.prepare(list(range(1, max(ks) + 2)))
+                buckets += self.graphs.prepare([k + 1 for k in ks], rollback=True)
+                buckets += self.speculator.draft_graphs.prepare(list(range(1, max(ks) + 2)))
         except torch.OutOfMemoryError:
             raise UserError(f"capturing the decode step's CUDA graphs for {self.max_num_seqs} sequences of "
                             f"{self.max_model_len} tokens ran out of GPU memory: lower --max-model-len (serve: or --max-num-seqs), "
                             "or pass --lazy-capture (each bucket is captured when a step first needs it)") from None
-        made = {"buckets": made, "seconds": time.perf_counter() - start,
+        made = {"buckets": buckets, "seconds": time.perf_counter() - start,
                 "bytes": torch.cuda.memory_allocated(self.device) - before if cuda else 0}
         log.info("made %d decode-step buckets (batch x tokens per sequence x attention span) in %.1f s%s", made["buckets"],
                  made["seconds"], f", {made['bytes'] / 2**20:.0f} MiB of GPU memory" if cuda else " (eager: no CUDA)")
