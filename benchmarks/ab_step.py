@@ -35,8 +35,6 @@ VARIANTS = {
                      [("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG", None)]),
     "int4-split-verify": ("roofline.kernels.int4_tc.NO_SPLIT_MAX_ROWS=1",
                           [("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 1)]),
-    # session 19's experiment: each layer's input norm in its mixer's input projections (one launch a layer fewer)
-    "input-norm-on-load": ("ROOFLINE_INPUT_NORM_ON_LOAD=1", [("roofline.kernels.blocks", "INPUT_NORM_ON_LOAD", True)]),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),

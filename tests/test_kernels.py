@@ -291,19 +291,15 @@ def check_experts(t, experts, hidden, inter, topk, group, dtype, device, config=
     act_ref = experts_gate_up_reference(x, ids, *gate_up, group)
     assert rel_err(act, act_ref) < tol
     terms = {}
-    if extra:  # the MoE block's epilogue: + sigmoid(gate) * shared + residual; the gate a strided column of router logits,
-        # and the sums of squares of the output from which the next layer's first GEMV norms it
+    if extra:  # the MoE block's epilogue: + sigmoid(gate) * shared + residual; the gate a strided column of router logits
         logits = torch.randn(t, experts + 1, device=device).to(dtype)
         terms = {"shared": torch.randn(t, hidden, device=device).to(dtype), "shared_gate": logits[:, experts:],
-                 "residual": torch.randn(t, hidden, device=device).to(dtype),
-                 "sumsq_out": torch.full((hidden // 32, 4), float("nan"), device=device)}
+                 "residual": torch.randn(t, hidden, device=device).to(dtype)}
     out = experts_down(act_ref, ids, weights, *down, group, out=nan_like(torch.empty(t, hidden, dtype=dtype, device=device)),
                        config=config, **terms)
     want = experts_down_reference(act_ref, ids, weights, *down, group)
     if extra:  # as SparseMoE.forward and DecoderLayer.forward compute it
         want = terms["residual"] + (want + terms["shared"] * torch.sigmoid(terms["shared_gate"]))
-        blocks = out.float().pow(2).reshape(t, hidden // 32, 32).sum(-1).t()
-        torch.testing.assert_close(terms["sumsq_out"][:, :t], blocks, rtol=1e-5, atol=1e-5)
     assert rel_err(out, want) < tol
     assert_counters_zero()
 
@@ -336,13 +332,6 @@ def test_experts_down_adds_shared_and_residual_interpreter(t, config):
 def test_experts_tc_interpreter(t, config):
     """The grouped experts on the int4_tc path (group 128, fp16), asm emulated."""
     check_experts(t, 6, 256, 128, 3, 128, torch.float16, "cpu", config, tol=2e-3)
-
-
-@gpu
-@pytest.mark.parametrize("t", [1, 3])
-def test_experts_down_epilogue_gpu(t):
-    """The fused MoE block's down epilogue at the 122B's sizes: shared expert, residual and the sums of squares."""
-    check_experts(t, 256, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": True}, extra=True)
 
 
 @gpu
@@ -638,46 +627,6 @@ def test_residual_and_norm_on_load_interpreter(m, n, k, fp8, config):
 @pytest.mark.parametrize("n,fp8", [(257, False), (2048, True)])  # the 122B's router + shared gate, shared gate_up
 def test_residual_and_norm_on_load_gpu(m, n, fp8):
     check_residual_and_norm(m, n, 8192, fp8, torch.bfloat16, GPU)
-
-
-def check_input_norm_on_load(m, n, k, dtype, device, config=None, tiles=None):
-    """int4_matmul_tc(norm=...) (a decoder layer's input norm in its first GEMV): the output equals the GEMV of the
-    rows normed as small_ops.rms_norm rounds, from the same per-tile sums of squares, within the rounding of rstd
-    (summed in another order); and the GEMV of rms_norm's own rows to the GEMV's tolerance."""
-    from roofline.kernels.fp8_gemv import NormOnLoad
-    from roofline.kernels.int4_tc import SUMSQ_ROWS, int4_matmul_tc
-    from roofline.kernels.small_ops import rms_norm
-
-    torch.manual_seed(m + n + k)
-    qweight, qzeros, scales = random_int4(n, k, 128, False, device)
-    h = (torch.randn(m, k, device=device) * 3).to(dtype)
-    w = (torch.randn(k, device=device) * 0.1).to(dtype)
-    tiles = tiles or k // 32
-    sumsq = torch.zeros(tiles, SUMSQ_ROWS, device=device)
-    sumsq[:, :m] = h.float().pow(2).reshape(m, tiles, -1).sum(-1).t()
-    rstd = torch.rsqrt(sumsq[:, :m].sum(0) / k + 1e-6)[:, None]
-    normed = (h.float() * rstd * (1 + w.float())).to(dtype)
-    cfg = {"tc": True, **(config or {})}
-    y = int4_matmul_tc(h, qweight, qzeros, scales, sym=False, config=dict(cfg), norm=NormOnLoad(sumsq, w, 1e-6))
-    want = int4_matmul_tc(normed, qweight, qzeros, scales, sym=False, config=dict(cfg))
-    if device == "cpu":  # the interpreter takes rstd in torch's order and rounding: bit for bit
-        assert torch.equal(y, want)
-    assert rel_err(y, want) < 2e-3
-    assert rel_err(y, int4_matmul_tc(rms_norm(h, w, 1e-6), qweight, qzeros, scales, sym=False, config=dict(cfg))) < 2e-3
-    assert_counters_zero()
-
-
-@cpu
-@pytest.mark.parametrize("m,config", [(1, None), (3, {"SPLIT_K": 1}), (4, {"KW": 1, "SPLIT_K": 2, "depth": 1})])
-def test_input_norm_on_load_interpreter(m, config):
-    check_input_norm_on_load(m, 64, 384, torch.float16, "cpu", config)
-
-
-@gpu
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("n", [8192 + 4096 + 256, 1024])  # the 122B's merged GDN in_proj (qkv + z), a narrow one
-def test_input_norm_on_load_gpu(m, n):
-    check_input_norm_on_load(m, n, 3072, torch.bfloat16, GPU)
 
 
 def check_router(m, experts, k, fp8, dtype, device, config=None):

@@ -358,63 +358,6 @@ def test_decode_batches_past_16_rows_are_captured_with_the_int4_gemm_gpu(checkpo
     assert any(b * m > 16 and buf.graph is not None for (b, m, _), buf in pooled.graphs.buffers.items())
 
 
-def check_input_norm_on_load(monkeypatch, device, dtype, m, layers=None):
-    """blocks.INPUT_NORM_ON_LOAD (an experiment, ab_step's input-norm-on-load): every layer after the first takes its
-    input norm in its mixer's projections, from the sums of squares the previous layer's down kernel wrote, and
-    launches no norm of its own; the pooled step's logits are the separate norm's (bit for bit in the interpreter,
-    where rstd is summed in the same order). The tiny synthetic model in 16 bits (the INT4 tensor-core path), m tokens
-    a sequence (the first `layers` layers); on CUDA each setting's step captured as a graph."""
-    from roofline.bench.synthetic import DEFAULT_LAYOUT, SyntheticRun, build_synthetic_model, fill_context
-    from roofline.checkpoint.shapes import resolve_layout
-    from roofline.engine.graphs import DecodeGraphs
-    from roofline.kernels import blocks
-    from roofline.kernels.dispatch import install_fast_path
-
-    model, _ = build_synthetic_model("tiny", resolve_layout(DEFAULT_LAYOUT, {"lm_head": "int8"}), device, dtype,
-                                     layers=layers)
-    install_fast_path(model, allow_cpu=device == "cpu")
-    later = [layer for layer in model.model.layers if hasattr(layer, "input_sumsq")]
-    assert later == list(model.model.layers[1:]), "every layer but the first norms on load"
-    calls = []
-    for layer in later:
-        norm = layer.input_layernorm
-        monkeypatch.setattr(norm, "forward", lambda x, run=norm.forward: calls.append(1) or run(x))
-    pool = CachePool(model.config, model.config.layer_types, 1, 64, model.device, model.dtype)
-    cache = pool.acquire()
-    fill_context(SyntheticRun(model, pool, None, cache, None), 8)
-    cache.advance(8)
-    state = [*pool.recurrent.values(), *pool.conv.values(), *pool.keys.values(), *pool.values.values()]
-    start = [t.clone() for t in state]
-    logits = {}
-    for on in (False, True):
-        monkeypatch.setattr(blocks, "INPUT_NORM_ON_LOAD", on)
-        calls.clear()
-        graphs = DecodeGraphs(model, pool, 1, use_graphs=device == "cuda")  # captured under the setting
-        graphs.buffers_for(1, m, 8 + m)
-        for t, saved in zip(state, start):
-            t.copy_(saved)  # each run from the same caches (a step, and a capture's warm-up, update the GDN state)
-        logits[on] = graphs.run([5, 9, 11][:m], [cache], m).logits[:m].clone()
-        assert (len(calls) == 0) if on else (len(calls) >= len(later))
-    if device == "cpu":
-        assert torch.equal(logits[True], logits[False])
-    else:
-        assert (logits[True] - logits[False]).norm() / logits[False].norm() < 1e-2
-    assert all(layer.input_sumsq[:, :m].sum() > 0 for layer in later)
-
-
-@cpu
-def test_input_norm_on_load_gives_the_same_step(monkeypatch):
-    # two GDN layers, one token: the interpreter's grouped experts are slow (4 layers at 3 rows took 2 minutes of CI);
-    # more rows: test_kernels' GEMV test; attention layers: the GPU test
-    check_input_norm_on_load(monkeypatch, "cpu", torch.float16, 1, layers=2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3])
-def test_input_norm_on_load_gives_the_same_step_gpu(monkeypatch, m):
-    check_input_norm_on_load(monkeypatch, "cuda", torch.bfloat16, m)
-
-
 def test_freeze_startup_heap_puts_what_start_built_out_of_the_collectors_reach():
     """serve, chat and generate call it once started (as vLLM does): later full collections skip the startup heap."""
     import gc

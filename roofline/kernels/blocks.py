@@ -21,11 +21,6 @@ Same math as `DecoderLayer.forward` and `SparseMoE.forward`, rounded where they 
   shared gate_up norm their input on the fly from those (`fp8_gemv.NormOnLoad`), the router's kernel
   also writing the normed rows for the routed experts: one launch a layer fewer, and the shared expert
   starts a kernel earlier. ROOFLINE_NORM_IN_GEMVS=0 keeps the add_rms_norm launch.
-- the layer's input norm can leave its launch the same way (`input_norm_on_load`, an experiment, off unless
-  ROOFLINE_INPUT_NORM_ON_LOAD=1): the previous layer's MoE down kernel writes its output's sums of squares per 32
-  columns (`experts_down(sumsq_out=...)`) into a buffer the layer holds, and the mixer's input projections (INT4 on
-  the tensor cores: `int4_matmul_tc(norm=...)`; GDN's b/a on fp8_gemv) norm x on load. One launch a layer fewer
-  (the first layer keeps it: its input is the embedding).
 
 Installed by `dispatch.install_fast_path` with the fused small ops; more rows (prefill) run the
 model's own code.
@@ -39,15 +34,13 @@ from contextlib import contextmanager
 import torch
 
 from ..model.layers import MLP, DecoderLayer, RMSNorm, SlotBatch, SparseMoE
-from ..quant import DenseWeight, Fp8BlockWeight, Int4Weight
+from ..quant import DenseWeight, Fp8BlockWeight
 from ._common import beside
 from .dispatch import MAX_DECODE_ROWS, int4_config, int4_tc_capable, row_count
 from .fp8_gemv import NormOnLoad, fp8_matmul, router_top_k
 from .small_ops import add_rms_norm, route_top_k, silu_mul
 
 NORM_IN_GEMVS = os.environ.get("ROOFLINE_NORM_IN_GEMVS", "1") != "0"
-# Read when a layer runs (benchmarks/ab_step.py's variant input-norm-on-load sets it): the buffers are installed anyway.
-INPUT_NORM_ON_LOAD = os.environ.get("ROOFLINE_INPUT_NORM_ON_LOAD", "0") == "1"
 
 
 def gemv_operands(weight) -> tuple | None:
@@ -75,24 +68,6 @@ def norm_in_gemvs(layer: DecoderLayer, dtype) -> bool:
     out = layer.self_attn.o_proj if layer.layer_type == "full_attention" else layer.linear_attn.out_proj
     return (fused_router(moe) is not None and gemv_operands(moe.shared_expert.merged["gate_up"].merged) is not None
             and "residual_forward" in out.__dict__ and int4_tc_capable(out, dtype))
-
-
-def input_projections(layer: DecoderLayer) -> list:
-    """The merged projections that read the layer's normed input (merge.Projections)."""
-    if layer.layer_type == "full_attention":
-        return [layer.self_attn.merged["qkv"]]
-    return [layer.linear_attn.merged["qkv_z"], layer.linear_attn.merged["b_a"]]
-
-
-def input_norm_on_load(layer: DecoderLayer, previous: DecoderLayer, dtype) -> bool:
-    """Whether `layer`'s input norm can run in its input projections' prologues (see the module docstring): the
-    previous layer ends in the fused MoE block on the norm_in_gemvs path (whose down kernel can write the sums of
-    squares), and each input projection is one merged weight whose kernel norms on load (INT4 ones on the tensor
-    cores)."""
-    if not getattr(previous, "norm_in_gemvs", False) or not getattr(layer, "norm_in_gemvs", False):
-        return False
-    return all(p.norms_on_load and (not isinstance(p.merged, Int4Weight) or int4_tc_capable(p.merged, dtype))
-               for p in input_projections(layer))
 
 
 # Rows up to which the router routes in its GEMV's epilogue. H200, 2026-12-03 (BENCHMARKS.md): with the epilogue
@@ -158,12 +133,11 @@ def _route(moe: SparseMoE, x: torch.Tensor, norm: NormOnLoad | None = None) -> t
 
 
 def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residual: torch.Tensor | None = None,
-                sumsq: torch.Tensor | None = None, norm: RMSNorm | None = None,
-                sumsq_out: torch.Tensor | None = None) -> torch.Tensor:
+                sumsq: torch.Tensor | None = None, norm: RMSNorm | None = None) -> torch.Tensor:
     """SparseMoE.forward(x) (+ residual) for INT4 routed experts; `syms`: whether gate_up / down are symmetric.
     With `sumsq` and `norm` (`norm_in_gemvs`): x is the layer's h, `sumsq` its per-tile sums of squares
     (int4_tc.int4_matmul_residual), and the block returns h + SparseMoE.forward(norm(h)), the norm done in its
-    GEMVs' prologues; `sumsq_out` then receives the output's sums of squares (`input_norm_on_load`)."""
+    GEMVs' prologues."""
     if not 1 <= row_count(x) <= MAX_DECODE_ROWS:
         if sumsq is not None:
             raise ValueError(f"moe_forward: the norm runs in the decode kernels (1..{MAX_DECODE_ROWS} rows), "
@@ -187,7 +161,7 @@ def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residu
     join()
     return experts_down(act, experts, weights, down.qweight, down.qzeros, down.scales, down.group_size, sym=syms[1],
                         config=int4_config(down), shared=shared_out, shared_gate=gate_logit,
-                        residual=None if residual is None else residual.contiguous(), sumsq_out=sumsq_out)
+                        residual=None if residual is None else residual.contiguous())
 
 
 def mlp_forward(mlp: MLP, x: torch.Tensor, norm: NormOnLoad | None = None) -> torch.Tensor:
@@ -210,15 +184,8 @@ def layer_forward(layer: DecoderLayer, x: torch.Tensor, batch) -> torch.Tensor:
     mixer = layer.self_attn if layer.layer_type == "full_attention" else layer.linear_attn
     norm = layer.post_attention_layernorm
     if getattr(layer, "norm_in_gemvs", False) and isinstance(batch, SlotBatch):
-        # input_norm_on_load: the previous layer's down kernel wrote x's sums of squares into layer.input_sumsq
-        sums = getattr(layer, "input_sumsq", None) if INPUT_NORM_ON_LOAD else None
-        first = layer.input_layernorm
-        if sums is None:
-            h, sumsq = mixer.slot_step(first(x), batch, residual=x.contiguous())
-        else:
-            h, sumsq = mixer.slot_step(x, batch, residual=x.contiguous(), norm=NormOnLoad(sums, first.weight, first.eps))
-        following = getattr(layer, "next_input_sumsq", None) if INPUT_NORM_ON_LOAD else None
-        return layer.mlp(h, sumsq=sumsq, norm=norm, sumsq_out=following)
+        h, sumsq = mixer.slot_step(layer.input_layernorm(x), batch, residual=x.contiguous())
+        return layer.mlp(h, sumsq=sumsq, norm=norm)
     h, normed = add_rms_norm(x, mixer(layer.input_layernorm(x), batch), norm.weight, norm.eps)
     if getattr(layer.mlp, "adds_residual", False):
         return layer.mlp(normed, residual=h)

@@ -56,19 +56,6 @@ def _int4_residual(weight: Int4Weight, sym: bool, x: torch.Tensor, residual: tor
                                 config=int4_config(weight))
 
 
-def _int4_normed(weight: Int4Weight, sym: bool, x: torch.Tensor, norm) -> torch.Tensor:
-    from .int4_tc import int4_matmul_tc
-
-    return int4_matmul_tc(x, weight.qweight, weight.qzeros, weight.scales, sym=sym, config=int4_config(weight), norm=norm)
-
-
-def _normed(weight: LinearWeight, x: torch.Tensor, norm) -> torch.Tensor:
-    from .blocks import gemv_operands
-    from .fp8_gemv import fp8_matmul
-
-    return fp8_matmul(x, *gemv_operands(weight), norm=norm)
-
-
 def _int4(weight: Int4Weight, sym: bool, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
     if 1 <= row_count(x) <= MAX_DECODE_ROWS:
         from .int4_gemv import int4_matmul
@@ -256,11 +243,9 @@ def install_weight_kernel(weight: LinearWeight) -> str | None:
         sym = is_symmetric(weight.qzeros)
         weight.forward = partial(_int4, weight, sym)
         weight.residual_forward = partial(_int4_residual, weight, sym)  # (h, sumsq): see blocks.norm_in_gemvs
-        weight.normed_forward = partial(_int4_normed, weight, sym)  # rms_norm(x) @ W^T: see blocks.input_norm_on_load
         return "int4"
     if isinstance(weight, Fp8BlockWeight):
         weight.forward = partial(_fp8, weight)
-        weight.normed_forward = partial(_normed, weight)
         return "fp8"
     if isinstance(weight, Int8RowWeight):
         weight.forward = partial(_int8, weight)
@@ -268,7 +253,6 @@ def install_weight_kernel(weight: LinearWeight) -> str | None:
     if (isinstance(weight, DenseWeight) and weight.out_features <= DENSE_MAX_ROWS and weight.weight.is_contiguous()
             and weight.weight.dtype in (torch.bfloat16, torch.float16)):
         weight.forward = partial(_dense, weight)  # small dense weights (router, GDN b/a): one launch, no cuBLAS split-K
-        weight.normed_forward = partial(_normed, weight)
         return "small dense"
     return None
 
@@ -304,7 +288,7 @@ def _install_merged_projections(model: torch.nn.Module, installed: Counter) -> N
 
 def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
     """Decoder layers, MoE blocks and MLPs with fewer launches for decode rows (blocks.py)."""
-    from .blocks import fused_router, input_norm_on_load, layer_forward, mlp_forward, moe_forward, norm_in_gemvs
+    from .blocks import fused_router, layer_forward, mlp_forward, moe_forward, norm_in_gemvs
     from .int4_gemv import is_symmetric
 
     apart = 0
@@ -324,19 +308,11 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
         elif isinstance(module, DecoderLayer):
             module.forward = partial(layer_forward, module)
             installed["fused decoder layer"] += 1
-    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
-    for module in layers:  # after the MoE blocks' own forwards, which norm_in_gemvs checks
-        module.norm_in_gemvs = norm_in_gemvs(module, model.dtype)
-        if module.norm_in_gemvs:
-            installed["layer add + norm in out_proj's epilogue and the MoE GEMVs' prologues"] += 1
-    stack = list(model.model.layers)  # not the MTP head's layer: its input is not a layer's output
-    for previous, layer in zip(stack, stack[1:]):
-        if input_norm_on_load(layer, previous, model.dtype):
-            # the previous down kernel writes x's sums of squares here: 32 columns a tile, MAX_DECODE_ROWS rows
-            layer.input_sumsq = torch.zeros(layer.input_layernorm.weight.shape[0] // 32, MAX_DECODE_ROWS,
-                                            dtype=torch.float32, device=model.device)
-            previous.next_input_sumsq = layer.input_sumsq
-            installed["layer input norm in the mixer's projections (ROOFLINE_INPUT_NORM_ON_LOAD=1 uses it)"] += 1
+    for module in model.modules():  # after the MoE blocks' own forwards, which norm_in_gemvs checks
+        if isinstance(module, DecoderLayer):
+            module.norm_in_gemvs = norm_in_gemvs(module, model.dtype)
+            if module.norm_in_gemvs:
+                installed["layer add + norm in out_proj's epilogue and the MoE GEMVs' prologues"] += 1
     if apart:
         log.info("%d MoE routers run their GEMV and a separate top-k kernel: the router weight is neither dense "
                  "16-bit nor block FP8 with a decode kernel", apart)

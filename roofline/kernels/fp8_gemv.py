@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ._common import INTERPRET, MAX_ROWS, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, sum_splits, wait_for_inputs
 from .int4_gemv import _sm_count
-from .int4_tc import _rows_rstd
+from .int4_tc import SUMSQ_ROWS
 from .small_ops import softmax_top_k
 
 
@@ -142,6 +142,14 @@ def _fp8_gemv_kernel(
             reset(cnt_ptr + pid_n)
             if TOPK:
                 _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM, TOPK, KP, BE)
+
+
+@triton.jit
+def _rows_rstd(ss_ptr, m, m_mask, NT, K, eps, NTP: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) of each row, [BM] fp32, from the NT column tiles' sums of squares ([NT, SUMSQ_ROWS] fp32)."""
+    t = tl.arange(0, NTP)[:, None]
+    parts = tl.load(ss_ptr + t * SUMSQ_ROWS + m[None, :], mask=(t < NT) & m_mask[None, :], other=0.0)
+    return tl.rsqrt(tl.sum(parts, axis=0) / K + eps)
 
 
 @triton.jit

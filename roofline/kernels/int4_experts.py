@@ -41,7 +41,6 @@ from .int4_gemv import (
 )
 from .int4_tc import (
     GROUP,
-    SUMSQ_ROWS,
     default_tc_config,
     lane_index,
     launch_options,
@@ -193,14 +192,11 @@ def _gate_up_kernel(
 @triton.jit
 def _sum_choices(ws_ptr, out_ptr, cnt, chunk, T, H, n_offs, n_mask, ARRIVALS, SPLIT_K, SPLITP: tl.constexpr,
                  CH: tl.constexpr, BN: tl.constexpr, TOPK: tl.constexpr,
-                 sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr,
-                 ss_ptr=None, SUMSQ: tl.constexpr = False):
+                 sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr):
     """The down kernels' end: the last of the ARRIVALS programs of this (chunk, column tile) sums each token's
     k weighted choices over the K splits, in order, from the workspace [SPLIT_K, T*TOPK, H]. With SHARED it
     adds the shared expert's output times sigmoid(its gate logit), with RESIDUAL the layer's residual,
-    rounding to the output dtype where the reference (SparseMoE.forward, DecoderLayer.forward) does. With SUMSQ it
-    also stores each token row's sum of squares of the output over each 32 columns (ss [H / 32, SUMSQ_ROWS]), from
-    which the next layer's first GEMV norms its input (int4_tc.int4_matmul_tc(norm=...))."""
+    rounding to the output dtype where the reference (SparseMoE.forward, DecoderLayer.forward) does."""
     if arrive(cnt, ARRIVALS):
         toks = chunk * CH + tl.arange(0, CH)
         tmask = (toks < T)[:, None] & n_mask[None, :]
@@ -218,21 +214,16 @@ def _sum_choices(ws_ptr, out_ptr, cnt, chunk, T, H, n_offs, n_mask, ARRIVALS, SP
         if RESIDUAL:
             total = tl.load(res_ptr + offs, mask=tmask, other=0).to(tl.float32) + total.to(ty).to(tl.float32)
         tl.store(out_ptr + offs, total.to(ty), mask=tmask)
-        if SUMSQ:
-            h = tl.where(tmask, total.to(ty).to(tl.float32), 0.0)
-            part = tl.sum(tl.reshape(h * h, [CH, BN // 32, 32]), axis=2)  # [CH, BN / 32]
-            block = tl.min(n_offs, axis=0) // 32 + tl.arange(0, BN // 32)[None, :]
-            tl.store(ss_ptr + block * SUMSQ_ROWS + toks[:, None], part, mask=(toks < T)[:, None] & (block * 32 < H))
         reset(cnt)
 
 
 @triton.jit
 def _down_kernel(
     act_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr, sh_ptr, sg_ptr, SG_STRIDE, res_ptr,
-    ss_ptr, T, I, H, KP_PER_SPLIT, MAGIC,
+    T, I, H, KP_PER_SPLIT, MAGIC,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
     ROWS: tl.constexpr, SYM: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, USE_MMA: tl.constexpr,
-    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr = False, SUMSQ: tl.constexpr = False,
+    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     pid_n = tl.program_id(0)
@@ -260,8 +251,7 @@ def _down_kernel(
                  mask=routed[:, None] & n_mask[None, :])
     # every program of this (chunk, column tile) arrives; the last sums choices and splits in order
     _sum_choices(ws_ptr, out_ptr, cnt_ptr + chunk * tl.num_programs(0) + pid_n, chunk, T, H, n_offs, n_mask,
-                 SLOTS * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED, RESIDUAL,
-                 ss_ptr, SUMSQ)
+                 SLOTS * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED, RESIDUAL)
 
 
 def _config(t: int, n: int, group_size: int, config: dict | None) -> dict:
@@ -319,18 +309,16 @@ def experts_gate_up(x: torch.Tensor, ids: torch.Tensor, qweight, qzeros, scales,
 
 def experts_down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qweight, qzeros, scales,
                  group_size: int = 128, *, sym: bool | None = None, out=None, config: dict | None = None,
-                 counters=None, shared=None, shared_gate=None, residual=None, sumsq_out=None) -> torch.Tensor:
+                 counters=None, shared=None, shared_gate=None, residual=None) -> torch.Tensor:
     """out [T, H] = sum_j weights[t, j] * act[t, j] @ Wd_e^T, e = ids[t, j].
 
     The MoE block's other terms can join in the same launch: `shared` [T, H] times sigmoid(`shared_gate`
-    [T] or [T, 1], rows may be strided) and `residual` [T, H], added as SparseMoE and DecoderLayer add them.
-    `sumsq_out` [H / 32, SUMSQ_ROWS] fp32 receives each row's sum of squares of out over each 32 columns (the next
-    layer's input norm on load)."""
+    [T] or [T, 1], rows may be strided) and `residual` [T, H], added as SparseMoE and DecoderLayer add them."""
     t, topk, inter = act.shape
     h = qweight.shape[-1]
     if sym is None:
         sym = is_symmetric(qzeros)
-    extra = _extra_terms(act, t, h, shared, shared_gate, residual, sumsq_out)
+    extra = _extra_terms(act, t, h, shared, shared_gate, residual)
     if _tc_path(act, h, inter, group_size, t, config, (qweight, qzeros, scales), down=True):
         return _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters, extra)
     refuse_blocked(config, f"experts_down on {t} {act.dtype} tokens")
@@ -361,24 +349,18 @@ class _ExtraTerms:
     gate: torch.Tensor | None
     gate_stride: int
     residual: torch.Tensor | None
-    sumsq: torch.Tensor | None = None
 
     def args(self, out):
         return (self.shared if self.shared is not None else out, self.gate if self.gate is not None else out,
-                self.gate_stride, self.residual if self.residual is not None else out,
-                self.sumsq if self.sumsq is not None else out)
+                self.gate_stride, self.residual if self.residual is not None else out)
 
     def flags(self):
-        return {"SHARED": self.shared is not None, "RESIDUAL": self.residual is not None, "SUMSQ": self.sumsq is not None}
+        return {"SHARED": self.shared is not None, "RESIDUAL": self.residual is not None}
 
 
-def _extra_terms(act, t: int, h: int, shared, shared_gate, residual, sumsq=None) -> _ExtraTerms:
+def _extra_terms(act, t: int, h: int, shared, shared_gate, residual) -> _ExtraTerms:
     if (shared is None) != (shared_gate is None):
         raise ValueError("experts_down: shared and shared_gate come together")
-    if sumsq is not None and (sumsq.dtype != torch.float32 or tuple(sumsq.shape) != (h // 32, SUMSQ_ROWS)
-                              or not sumsq.is_contiguous() or h % 32 or t > SUMSQ_ROWS):
-        raise ValueError(f"experts_down: sumsq_out must be contiguous fp32 [{h // 32}, {SUMSQ_ROWS}] for up to "
-                         f"{SUMSQ_ROWS} tokens, got {sumsq.dtype} {list(sumsq.shape)} for {t} tokens")
     for name, term in (("shared", shared), ("residual", residual)):
         if term is not None and (tuple(term.shape) != (t, h) or not term.is_contiguous() or term.device != act.device):
             raise ValueError(f"experts_down: {name} must be contiguous [{t}, {h}] on {act.device}, got {list(term.shape)}")
@@ -387,7 +369,7 @@ def _extra_terms(act, t: int, h: int, shared, shared_gate, residual, sumsq=None)
         if shared_gate.shape[0] != t or shared_gate[0].numel() != 1:
             raise ValueError(f"experts_down: shared_gate must hold one logit per token, got {list(shared_gate.shape)}")
         stride = shared_gate.stride(0)
-    return _ExtraTerms(shared, shared_gate, stride, residual, sumsq)
+    return _ExtraTerms(shared, shared_gate, stride, residual)
 
 
 # ------------------------------------------------------------------ tensor-core path (int4_tc)
@@ -486,11 +468,11 @@ def _gate_up_tc_finish(ws_ptr, act_ptr, row, mask, col, T, I, TOPK: tl.constexpr
 @triton.jit
 def _down_tc_kernel(
     act32_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr, sh_ptr, sg_ptr, SG_STRIDE, res_ptr,
-    ss_ptr, T, I2, H, GROUPS, GPS, QW_E, QZ_E, SC_E,
+    T, I2, H, GROUPS, GPS, QW_E, QZ_E, SC_E,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
     SHARED: tl.constexpr, RESIDUAL: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
-    DEPTH: tl.constexpr = 2, SUMSQ: tl.constexpr = False,
+    DEPTH: tl.constexpr = 2,
 ):
     BN: tl.constexpr = 32 * WN
     pid_n = tl.program_id(0)
@@ -525,8 +507,7 @@ def _down_tc_kernel(
     n_offs = colbase + tl.arange(0, BN)
     n_mask = n_offs < H
     _sum_choices(ws_ptr, out_ptr, cnt_ptr + chunk * tl.num_programs(0) + pid_n, chunk, T, H, n_offs, n_mask,
-                 SLOTS * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED, RESIDUAL,
-                 ss_ptr, SUMSQ)
+                 SLOTS * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED, RESIDUAL)
 
 
 def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:

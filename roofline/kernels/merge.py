@@ -94,12 +94,3 @@ class Projections:
         if self.merged is None:
             return [w(x) for w in self.parts]
         return list(self.merged(x).split(self.sizes, dim=-1))
-
-    @property
-    def norms_on_load(self) -> bool:
-        """Whether `normed` can run: one merged weight whose kernel takes the input norm in its prologue."""
-        return self.merged is not None and "normed_forward" in self.merged.__dict__
-
-    def normed(self, x: torch.Tensor, norm) -> list[torch.Tensor]:
-        """self(rms_norm(x)), the norm taken on load (`norm`: fp8_gemv.NormOnLoad; see blocks.input_norm_on_load)."""
-        return list(self.merged.normed_forward(x, norm).split(self.sizes, dim=-1))

@@ -30,15 +30,10 @@ def out_projection(weight, x: torch.Tensor, residual: torch.Tensor | None):
     return weight(x) if residual is None else weight.residual_forward(x, residual)
 
 
-def _input_projection(proj, x: torch.Tensor, norm):
-    """proj(x), or with `norm` (blocks.input_norm_on_load) proj(rms_norm(x)) with the norm in the GEMV's prologue."""
-    return proj(x) if norm is None else proj.normed(x, norm)
-
-
 def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch, fused_prologue: bool = False,
-                        residual: torch.Tensor | None = None, norm=None):
+                        residual: torch.Tensor | None = None):
     n, m = x.shape[0], batch.tokens_per_seq
-    qg, k, v = _input_projection(attn.merged["qkv"], x, norm)  # one launch where q/k/v share a format (merge.py)
+    qg, k, v = attn.merged["qkv"](x)  # one launch where q/k/v share a format (merge.py)
     qg = qg.view(n, attn.num_heads, 2 * attn.head_dim)  # [query | gate] per head
     k = k.view(n, attn.num_kv_heads, attn.head_dim)
     v = v.view(n, attn.num_kv_heads, attn.head_dim)
@@ -61,11 +56,10 @@ def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch,
     return out_projection(attn.o_proj, out.reshape(n, -1), residual)
 
 
-def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch, residual: torch.Tensor | None = None,
-                  norm=None):
+def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch, residual: torch.Tensor | None = None):
     step_states, step_conv = (batch.rollback or {}).get(gdn.layer_idx, (None, None))
-    (b, a), join = beside(x.device, _input_projection, gdn.merged["b_a"], x, norm)  # the small b/a beside the big one
-    qkv, z = _input_projection(gdn.merged["qkv_z"], x, norm)  # each pair one launch where its formats agree (merge.py)
+    (b, a), join = beside(x.device, gdn.merged["b_a"], x)  # the small b/a projection beside the big one
+    qkv, z = gdn.merged["qkv_z"](x)  # each pair one launch where its formats agree (merge.py)
     join()
     core = gdn_decode(
         qkv, z, b, a,
