@@ -38,8 +38,6 @@ VARIANTS = {
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),
-    # session 20's experiment: the shared expert's silu * up in its gate_up GEMV's epilogue (one launch a layer fewer)
-    "silu-in-gate-up": ("ROOFLINE_SILU_IN_GATE_UP=1", [("roofline.kernels.blocks", "SILU_IN_GATE_UP", True)]),
 }
 
 

@@ -2,9 +2,9 @@
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 20"), as phases that each fit one 10-minute
 # device call (session 20 on a warm H100: `first` 107 s, `mtp` 133 s, `next`'s old form 257 s with a cold start);
 # `next` first:
-#   OUT=... bash benchmarks/experiments.sh next     # session 20's experiment, the shared expert's silu * up in its
-#                                                   # gate_up GEMV's epilogue (ROOFLINE_SILU_IN_GATE_UP=1): its GPU
-#                                                   # tests, then its A/B in ab_step.py beside one-stream (~4 min)
+#   OUT=... bash benchmarks/experiments.sh next     # the GPU tests of the MTP verify path, then the MTP-2 step through
+#                                                   # Engine.step unprofiled (~3 min; session 20 measured and removed
+#                                                   # its two experiments, NOTES-kernels "Session 20")
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -54,11 +54,9 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout -s INT -k 15 "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  next)  # session 20's experiment (the shared expert's silu in its gate_up GEMV): GPU tests, then the A/B, where
-    # one-stream (the shared expert on the main stream, all kernels in one PDL chain) was last timed before PDL
-    gpu_tests 90 -m gpu tests/test_kernels.py -k "silu_out"
-    gpu_tests 120 -m gpu tests/test_pooled_decode.py -k "silu_in_gate_up"
-    timeout 240 python3 benchmarks/ab_step.py --variants silu-in-gate-up,one-stream --rounds 3 2>&1 | tail -12
+  next)  # the verify path's GPU tests (graph tokens = reference with MTP-2), then its step's cost through Engine.step
+    gpu_tests 200 -m gpu tests/test_pooled_decode.py -k "cuda_graph_greedy"
+    timeout 150 python3 benchmarks/profile_mtp_engine.py --shape qwen3.5-122b-a10b --steps 20 --no-profile 2>&1 | tail -12
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \

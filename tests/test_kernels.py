@@ -477,55 +477,6 @@ def test_fp8_matmul_gpu_wide_tiles(m, config):
     check_fp8(m, 2048, 3072 + 128, (128, 128), torch.bfloat16, GPU, config)
 
 
-def check_fp8_silu_out(m, inter, k, block, fp8, dtype, device, split, norm=False, tol=1e-2):
-    """fp8_matmul(silu_out=True) (blocks.SILU_IN_GATE_UP): silu(gate) * up of a merged [gate | up] weight in the
-    GEMV's epilogue equals the GEMV and small_ops.silu_mul on the same tiles and K split (bit for bit in the
-    interpreter), with the input norm on load or without; on its own default split, the reference's within `tol`."""
-    from roofline.kernels.fp8_gemv import NormOnLoad
-    from roofline.kernels.small_ops import silu_mul
-
-    torch.manual_seed(m + inter + k)
-    w = torch.randn(2 * inter, k)
-    weight, scale = quantize_fp8_block(w, block) if fp8 else (w.to(dtype), None)
-    weight, scale = weight.to(device), None if scale is None else scale.to(device)
-    x = torch.randn(m, k, device=device).to(dtype)
-    on_load = None
-    if norm:
-        sumsq = torch.zeros(8, 4, device=device)
-        sumsq[:, :m] = x.float().pow(2).reshape(m, 8, -1).sum(-1).t()
-        on_load = NormOnLoad(sumsq, (torch.randn(k, device=device) * 0.1).to(dtype), 1e-6)
-    cfg = {"SPLIT_K": split}
-    fused = fp8_matmul(x, weight, scale, block, config=cfg, norm=on_load, silu_out=True)
-    two_launches = silu_mul(fp8_matmul(x, weight, scale, block, config=cfg, norm=on_load))
-    assert fused.shape == (m, inter)
-    if device == "cpu":
-        assert torch.equal(fused, two_launches)
-    else:
-        assert rel_err(fused, two_launches) < 1e-3
-    if not norm:
-        want = fp8_matmul_reference(x, weight, scale, block) if fp8 else (x.float() @ weight.float().t()).to(dtype)
-        assert rel_err(fp8_matmul(x, weight, scale, block, silu_out=True), silu_mul(want)) < tol
-    assert_counters_zero()
-
-
-@cpu
-@pytest.mark.parametrize("m,inter,k,block,fp8,split,norm", [
-    (1, 48, 256, (32, 32), True, 2, False),  # the up half starts inside a scale block
-    (3, 32, 384, (128, 128), True, 1, True),  # every program writes its tile's output; the norm on load
-    (4, 48, 256, (128, 128), False, 3, True),  # 16-bit weight, K splits
-])
-def test_fp8_silu_out_interpreter(m, inter, k, block, fp8, split, norm):
-    check_fp8_silu_out(m, inter, k, block, fp8, torch.float16, "cpu", split, norm, tol=2e-3)
-
-
-@gpu
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("inter,fp8,norm", [(1024, True, True), (1024, True, False), (512, False, False)])
-def test_fp8_silu_out_gpu(m, inter, fp8, norm):
-    """The 122B's shared expert (FP8, 1024 wide, normed on load) and a 16-bit one of 512."""
-    check_fp8_silu_out(m, inter, 3072, (128, 128), fp8, torch.bfloat16, GPU, 8, norm)
-
-
 def check_grouped_dense(t, top_k, n, k, dtype, device, config=None):
     """Routed 16-bit experts read in place: each pair's row equals the plain GEMV (dense_matmul) on its token's row and
     its expert's weight, bit for bit at the same K split; the down GEMV taking silu * up on load likewise; the MoE

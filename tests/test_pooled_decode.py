@@ -358,56 +358,6 @@ def test_decode_batches_past_16_rows_are_captured_with_the_int4_gemm_gpu(checkpo
     assert any(b * m > 16 and buf.graph is not None for (b, m, _), buf in pooled.graphs.buffers.items())
 
 
-def check_silu_in_gate_up(monkeypatch, device, dtype, m, layers=None):
-    """blocks.SILU_IN_GATE_UP (an experiment, ab_step's silu-in-gate-up): the MoE blocks' FP8 shared experts take
-    silu * up in their gate_up GEMV's epilogue and launch no silu_mul; the pooled step's logits are the two launches'
-    (bit for bit in the interpreter). The tiny synthetic model (the default layout: FP8 shared experts), m tokens a
-    sequence (the first `layers` layers); on CUDA each setting's step captured as a graph."""
-    from roofline.bench.synthetic import DEFAULT_LAYOUT, SyntheticRun, build_synthetic_model, fill_context
-    from roofline.checkpoint.shapes import resolve_layout
-    from roofline.engine.graphs import DecodeGraphs
-    from roofline.kernels import blocks
-    from roofline.kernels.dispatch import install_fast_path
-
-    model, _ = build_synthetic_model("tiny", resolve_layout(DEFAULT_LAYOUT, {"lm_head": "int8"}), device, dtype,
-                                     layers=layers)
-    install_fast_path(model, allow_cpu=device == "cpu")
-    calls = []
-    monkeypatch.setattr(blocks, "silu_mul", lambda x, run=blocks.silu_mul: calls.append(1) or run(x))
-    pool = CachePool(model.config, model.config.layer_types, 1, 64, model.device, model.dtype)
-    cache = pool.acquire()
-    fill_context(SyntheticRun(model, pool, None, cache, None), 8)
-    cache.advance(8)
-    state = [*pool.recurrent.values(), *pool.conv.values(), *pool.keys.values(), *pool.values.values()]
-    start = [t.clone() for t in state]
-    logits = {}
-    for on in (False, True):
-        monkeypatch.setattr(blocks, "SILU_IN_GATE_UP", on)
-        calls.clear()
-        graphs = DecodeGraphs(model, pool, 1, use_graphs=device == "cuda")  # captured under the setting
-        graphs.buffers_for(1, m, 8 + m)
-        for t, saved in zip(state, start):
-            t.copy_(saved)  # each run from the same caches (a step, and a capture's warm-up, update the GDN state)
-        logits[on] = graphs.run([5, 9, 11][:m], [cache], m).logits[:m].clone()
-        assert (len(calls) == 0) if on else (len(calls) >= len(model.model.layers))
-    if device == "cpu":
-        assert torch.equal(logits[True], logits[False])
-    else:
-        assert (logits[True] - logits[False]).norm() / logits[False].norm() < 1e-2
-
-
-@cpu
-def test_silu_in_gate_up_gives_the_same_step(monkeypatch):
-    # one GDN layer, one token: the interpreter's grouped experts are slow; more rows: test_kernels' GEMV test
-    check_silu_in_gate_up(monkeypatch, "cpu", torch.float16, 1, layers=1)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3])
-def test_silu_in_gate_up_gives_the_same_step_gpu(monkeypatch, m):
-    check_silu_in_gate_up(monkeypatch, "cuda", torch.bfloat16, m)
-
-
 def test_freeze_startup_heap_puts_what_start_built_out_of_the_collectors_reach():
     """serve, chat and generate call it once started (as vLLM does): later full collections skip the startup heap."""
     import gc

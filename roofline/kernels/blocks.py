@@ -7,10 +7,7 @@ Same math as `DecoderLayer.forward` and `SparseMoE.forward`, rounded where they 
 - MLP (the dense model's, and the MoE's shared expert): gate and up as one merged GEMV, silu * up
   in one kernel, down: 3 launches where the model code runs 5 (session 15 took silu * up into the down
   GEMV's prologue, one launch fewer: H200, session 17, the M = 3 verify graph 0.44 ms slower, M = 1 no
-  faster, since every program of the down GEMV recomputes its slice of the activation; removed). An
-  experiment, off unless ROOFLINE_SILU_IN_GATE_UP=1: where gate_up runs on fp8_gemv's kernel (the FP8 or
-  16-bit shared expert), silu * up in that GEMV's epilogue instead (`fp8_matmul(silu_out=True)`), computed
-  once per output by the tile's final writer: 2 launches;
+  faster, since every program of the down GEMV recomputes its slice of the activation; removed);
 - MoE (INT4 routed experts): router and shared-expert gate as one merged GEMV with the router's
   softmax / top-k in its epilogue (`fp8_gemv.router_top_k`, where the router is a dense or FP8
   weight; else a separate top-k kernel), the routed experts' gate_up, the shared expert (3), then
@@ -44,8 +41,6 @@ from .fp8_gemv import NormOnLoad, fp8_matmul, router_top_k
 from .small_ops import add_rms_norm, route_top_k, silu_mul
 
 NORM_IN_GEMVS = os.environ.get("ROOFLINE_NORM_IN_GEMVS", "1") != "0"
-# Read when an MLP runs (benchmarks/ab_step.py's variant silu-in-gate-up sets it; see the module docstring).
-SILU_IN_GATE_UP = os.environ.get("ROOFLINE_SILU_IN_GATE_UP", "0") == "1"
 
 
 def gemv_operands(weight) -> tuple | None:
@@ -173,12 +168,12 @@ def mlp_forward(mlp: MLP, x: torch.Tensor, norm: NormOnLoad | None = None) -> to
     """MLP.forward with gate and up as one merged projection and silu * up as one kernel; with `norm` (the MoE
     block's shared expert, `norm_in_gemvs`) the merged gate_up norms its input in its prologue."""
     both = mlp.merged["gate_up"]
-    if norm is None and (both.merged is None or not 1 <= row_count(x) <= MAX_DECODE_ROWS):
+    if norm is not None:
+        gate_up = fp8_matmul(x, *gemv_operands(both.merged), norm=norm)
+    elif both.merged is None or not 1 <= row_count(x) <= MAX_DECODE_ROWS:
         return MLP.forward(mlp, x)
-    operands = gemv_operands(both.merged)
-    if operands is not None and SILU_IN_GATE_UP:
-        return mlp.down_proj(fp8_matmul(x, *operands, norm=norm, silu_out=True))
-    gate_up = both.merged(x) if norm is None else fp8_matmul(x, *operands, norm=norm)
+    else:
+        gate_up = both.merged(x)
     return mlp.down_proj(silu_mul(gate_up.reshape(-1, 2 * mlp.gate_proj.out_features)).view(*x.shape[:-1], -1))
 
 

@@ -24,12 +24,6 @@ multiplies rmsnorm(h) * (1 + w), rounded as small_ops.add_rms_norm rounds, on th
 the first column tile also store the normed rows (each its K range) when asked, for the routed experts.
 The router and the shared expert's gate_up both take it, so the add_rms_norm launch leaves the layer.
 
-`fp8_matmul(..., silu_out=True)` puts an MLP's activation in its gate_up GEMV's epilogue (an experiment, blocks.py's
-SILU_IN_GATE_UP): the weight is the merged [gate | up] ([2I, K]), each program reads its tile's gate rows and the up
-rows I further, and the tile's final writer stores silu(gate) * up ([M, I]), rounded as fp8_matmul then
-small_ops.silu_mul round. Every program does its share once (unlike an activation in the down GEMV's prologue, which
-each of its programs recomputes), and the separate silu_mul launch goes.
-
 `grouped_dense_matmul(..., gated=True)` puts an MLP's activation in the prologue of its down projection (the
 MTP head's routed 16-bit experts): x is the gate_up output [gate | up] and every program takes silu(gate) * up of
 its K range on load, rounded as small_ops.silu_mul rounds.
@@ -78,7 +72,7 @@ def _fp8_gemv_kernel(
     experts_ptr=None, weights_ptr=None, E=0, TOPK: tl.constexpr = 0, KP: tl.constexpr = 1, BE: tl.constexpr = 1,
     ss_ptr=None, nw_ptr=None, normed_ptr=None, eps=0.0, NT=1, NORM: tl.constexpr = False,
     NORM_OUT: tl.constexpr = False, NTP: tl.constexpr = 1, XS=0, GATED: tl.constexpr = False,
-    ids_ptr=None, X_PER_ROW=1, WS_STRIDE=0, GROUPED: tl.constexpr = False, SILU_OUT: tl.constexpr = False,
+    ids_ptr=None, X_PER_ROW=1, WS_STRIDE=0, GROUPED: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -100,15 +94,9 @@ def _fp8_gemv_kernel(
     srow = s_ptr + (pid_n * BN // SBN) * S_COLS
     # per-lane partial sums over 16 consecutive k (one 16-byte load of a row), one cross-lane reduction at the end
     acc = tl.zeros([BM, BN, BK // 16], dtype=tl.float32)
-    if SILU_OUT:  # N is I here: the tile's up rows lie N rows further, in scale blocks of their own
-        acc_up = tl.zeros([BM, BN, BK // 16], dtype=tl.float32)
-        up_rows = N + n_offs
-        srow_up = s_ptr + ((N + pid_n * BN) // SBN) * S_COLS
     # registers double-buffer the weight tile: the next step's load is in flight during this step's math
     k = k_start + kk
     w_next = tl.load(w_ptr + n_offs[:, None] * K + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
-    if SILU_OUT:
-        wu_next = tl.load(w_ptr + up_rows[:, None] * K + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
     if not GROUPED:
         wait_for_inputs(PDL)  # the first weight tile is in flight; x comes from the previous kernel
     if NORM:
@@ -119,10 +107,6 @@ def _fp8_gemv_kernel(
         w = w_next
         kn = k0 + BK + kk
         w_next = tl.load(w_ptr + n_offs[:, None] * K + kn[None, :], mask=n_mask[:, None] & (kn < k_end)[None, :], other=0.0)
-        if SILU_OUT:
-            wu = wu_next
-            wu_next = tl.load(w_ptr + up_rows[:, None] * K + kn[None, :], mask=n_mask[:, None] & (kn < k_end)[None, :],
-                              other=0.0)
         xk = m[:, None] * XS + k[None, :]
         xmask = m_mask[:, None] & kmask[None, :]
         if GATED:  # as small_ops.silu_mul: silu(gate) rounded to the dtype, times up
@@ -138,12 +122,6 @@ def _fp8_gemv_kernel(
                 if pid_n == 0:
                     tl.store(normed_ptr + m[:, None] * K + k[None, :], x, mask=xmask)
         x = x.to(tl.float32)
-        if SILU_OUT:
-            xu = x
-            if HAS_SCALE:
-                xu = x * tl.load(srow_up + k // SBK, mask=kmask, other=0.0).to(tl.float32)[None, :]
-            acc_up += tl.sum(tl.reshape(xu, [BM, 1, BK // 16, 16]) * tl.reshape(wu.to(tl.float32), [1, BN, BK // 16, 16]),
-                             axis=3)
         if HAS_SCALE:  # the block scale of each k (a tile may span several scale blocks along K)
             x = x * tl.load(srow + k // SBK, mask=kmask, other=0.0).to(tl.float32)[None, :]
         x3 = tl.reshape(x, [BM, 1, BK // 16, 16])
@@ -152,20 +130,7 @@ def _fp8_gemv_kernel(
     y = tl.sum(acc, axis=2)  # [BM, BN]
     offs = m[:, None] * N + n_offs[None, :]
     omask = m_mask[:, None] & n_mask[None, :]
-    if SILU_OUT:  # the workspace holds [gate | up] partials, rows of 2N
-        y_up = tl.sum(acc_up, axis=2)
-        gate_offs = m[:, None] * (2 * N) + n_offs[None, :]
-        if SPLIT_K == 1:
-            tl.store(out_ptr + offs, _silu_times(y, y_up, out_ptr.dtype.element_ty), mask=omask)
-        else:
-            tl.store(ws_ptr + pid_k * WS_STRIDE + gate_offs, y, mask=omask)
-            tl.store(ws_ptr + pid_k * WS_STRIDE + gate_offs + N, y_up, mask=omask)
-            if arrive(cnt_ptr + pid_n, SPLIT_K):
-                gate = sum_splits(ws_ptr, WS_STRIDE, gate_offs, omask, SPLIT_K, SPLITP, 4)
-                up = sum_splits(ws_ptr, WS_STRIDE, gate_offs + N, omask, SPLIT_K, SPLITP, 4)
-                tl.store(out_ptr + offs, _silu_times(gate, up, out_ptr.dtype.element_ty), mask=omask)
-                reset(cnt_ptr + pid_n)
-    elif SPLIT_K == 1:
+    if SPLIT_K == 1:
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=omask)
         if TOPK:
             _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM, TOPK, KP, BE)
@@ -177,14 +142,6 @@ def _fp8_gemv_kernel(
             reset(cnt_ptr + pid_n)
             if TOPK:
                 _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM, TOPK, KP, BE)
-
-
-@triton.jit
-def _silu_times(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up from fp32 sums, each first rounded to `dtype` as fp8_matmul stores them, then as
-    small_ops.silu_mul computes."""
-    g = gate.to(dtype).to(tl.float32)
-    return (g / (1.0 + tl.exp(-g))).to(dtype) * up.to(dtype)
 
 
 @triton.jit
@@ -238,14 +195,12 @@ def _k_split(k: int, bk: int, programs: int, cfg: dict, device) -> tuple[int, in
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, block=(128, 128), *, out=None,
                config: dict | None = None, counters: torch.Tensor | None = None, route: tuple | None = None,
-               norm: NormOnLoad | None = None, silu_out: bool = False) -> torch.Tensor:
+               norm: NormOnLoad | None = None) -> torch.Tensor:
     """y = x @ W^T for x [..., K] with 1..4 rows, W block FP8 [N, K] with scale_inv per (bn, bk) block
     (scale_inv None: W is used as it is stored, see dense_matmul). `route` = (experts [M, k] int64, weights
     [M, k] fp32, E): also write each row's routing over its first E outputs (see router_top_k). `norm`:
-    y = rms_norm(x) @ W^T (see NormOnLoad). `silu_out`: W is a merged [gate | up] of 2I rows and y [..., I] is
-    silu(gate) * up (see the module docstring)."""
-    rows, k = weight.shape
-    n = rows // 2 if silu_out else rows  # the output's columns
+    y = rms_norm(x) @ W^T (see NormOnLoad)."""
+    n, k = weight.shape
     x2, lead = decode_rows(x, k, "fp8_matmul")
     m = x2.shape[0]
     cfg = default_config(m)
@@ -255,14 +210,11 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
     if bn_s % bn or bk % 16 or (bk_s % bk and bk % bk_s):
         raise ValueError(f"tile ({bn}, {bk}): BN must divide the scale block's {bn_s} rows, BK be a multiple of 16 "
                          f"that divides or is a multiple of its {bk_s} columns")
-    if silu_out and (rows % 2 or n % bn or route is not None):
-        raise ValueError(f"fp8_matmul(silu_out=True) wants a [gate | up] weight whose half ({rows} / 2 rows) is a whole "
-                         f"number of {bn}-row tiles, and no routing")
     tiles = triton.cdiv(n, bn)
     split, k_per_split = _k_split(k, bk, tiles, cfg, x.device)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    ws = torch.empty(split if split > 1 else 1, m, rows, dtype=torch.float32, device=x.device)
+    ws = torch.empty(split if split > 1 else 1, m, n, dtype=torch.float32, device=x.device)
     cnt = counters if counters is not None else counters_for("fp8_gemv", tiles + 1, x.device)
     routing = {}
     if route is not None:
@@ -274,7 +226,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
         scale_inv.shape[-1] if scale_inv is not None else 0,
         SBN=bn_s, SBK=bk_s, BM=max(1, 1 << (m - 1).bit_length()), BN=bn, BK=bk, SPLIT_K=split, SPLITP=next_pow2(split),
         HAS_SCALE=scale_inv is not None, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
-        XS=x2.shape[1], WS_STRIDE=m * rows, SILU_OUT=silu_out, **routing, **_norm_args(norm, x2), **pdl_options(x.device),
+        XS=x2.shape[1], WS_STRIDE=m * n, **routing, **_norm_args(norm, x2), **pdl_options(x.device),
     )
     return out.reshape(*lead, n)
 
