@@ -84,7 +84,7 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
     cuda = torch.device(device).type == "cuda"
     model, _ = build_synthetic_model(shape, resolve_layout(DEFAULT_LAYOUT, {"lm_head": "int8"}), device, layers=layers)
     fast = install_fast_path(model, allow_cpu=not cuda)
-    pool = CachePool(model.config, model.config.layer_types, 1, 4096, model.device, model.dtype)
+    pool = CachePool(model.config, model.config.layer_types, 1, 4096, model.device, model.dtype, state_buffers=2)
     cache = pool.acquire()
     fill_context(SyntheticRun(model, pool, None, cache, None), 0)
     times = {name: {"m1_graph_ms": [], "m3_graph_ms": [], "m1_step_ms": [], "m3_step_ms": []} for name in names}

@@ -119,6 +119,7 @@ def bench_attention(copy, budget, ms=(1,), sweep=True):
 
 
 def bench_gdn(copy, budget, batch=1):
+    from roofline.engine.cache import step_record_size
     from roofline.kernels.gdn_decode import gdn_decode, gdn_decode_reference
 
     hk, hv, dk, dv, kernel = S["hk"], S["hv"], S["dk"], S["dv"], 4
@@ -141,18 +142,18 @@ def bench_gdn(copy, budget, batch=1):
                      a=torch.randn(n, hv, device=DEV, dtype=DT),
                      conv_state=torch.randn(batch, kernel - 1, c, device=DEV, dtype=DT),
                      state=torch.randn(batch, hv, dk, dv, device=DEV) * 0.1,
-                     ss=torch.empty(batch, m - 1, hv, dk, dv, device=DEV),
+                     ss=torch.empty(batch, m - 1, step_record_size(hk, dk, hv, dv), device=DEV),
                      sc=torch.empty(batch, m - 1, kernel - 1, c, device=DEV, dtype=DT))
                 for _ in range(n_sets)]
         io = n * (c * 2 + 2 * hv * dv * 2 + 4 * hv)
         nbytes = 2 * state_bytes + 2 * conv_bytes + io
-        save_bytes = (m - 1) * (state_bytes + conv_bytes)
+        save_bytes = (m - 1) * (batch * step_record_size(hk, dk, hv, dv) * 4 + conv_bytes)
         shape = f"GDN B={batch} M={m}"
 
         def call(s, save=False, m=m):
             return gdn_decode(s["qkv"], s["z"], s["b"], s["a"], s["conv_state"], fixed["conv_weight"], fixed["A_log"],
                               fixed["dt_bias"], fixed["norm_weight"], s["state"], hk, slots=slots, tokens_per_seq=m,
-                              step_states=s["ss"] if save else None, step_conv=s["sc"] if save else None)
+                              step_records=s["ss"] if save else None, step_conv=s["sc"] if save else None)
 
         for s in sets:  # each token's rows of the batch, contiguous, for the one-token launches
             s["tokens"] = [tuple(s[k][j::m].contiguous() for k in ("qkv", "z", "b", "a")) for j in range(m)]
@@ -169,7 +170,7 @@ def bench_gdn(copy, budget, batch=1):
         rss, rsc = torch.empty_like(s0["ss"]), torch.empty_like(s0["sc"])
         ref = gdn_decode_reference(s0["qkv"], s0["z"], s0["b"], s0["a"], ref_conv, fixed["conv_weight"], fixed["A_log"],
                                    fixed["dt_bias"], fixed["norm_weight"], ref_state, hk, slots=slots, tokens_per_seq=m,
-                                   step_states=rss, step_conv=rsc)
+                                   step_records=rss, step_conv=rsc)
         err = max(rel_err(y, ref), rel_err(chk["state"], ref_state), rel_err(chk["ss"], rss) if m > 1 else 0.0)
         t = median_us(Rotor(call, [(s,) for s in sets]))
         base = median_us(Rotor(m_singles, [(s,) for s in sets])) if m > 1 else None
@@ -180,7 +181,7 @@ def bench_gdn(copy, budget, batch=1):
         if m > 1:
             t2 = median_us(Rotor(lambda s: call(s, save=True), [(s,) for s in sets]))
             record("gdn", shape, "one launch + step outputs", t2, nbytes + save_bytes, copy, baseline=base,
-                   note=f"+{save_bytes / 1e6:.1f} MB of rollback states/windows")
+                   note=f"+{save_bytes / 1e6:.1f} MB of rollback step records/windows")
         del sets
         torch.cuda.empty_cache()
 

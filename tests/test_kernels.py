@@ -23,7 +23,8 @@ pytest.importorskip("triton")
 from roofline.kernels import _common  # noqa: E402
 from roofline.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from roofline.kernels.fp8_gemv import dense_matmul, fp8_matmul, fp8_matmul_reference, router_top_k  # noqa: E402
-from roofline.kernels.gdn_decode import gdn_decode, gdn_decode_reference  # noqa: E402
+from roofline.engine.cache import step_record_size  # noqa: E402
+from roofline.kernels.gdn_decode import gdn_decode, gdn_decode_reference, gdn_replay  # noqa: E402
 from roofline.kernels.int4_experts import (  # noqa: E402
     experts_down,
     experts_down_reference,
@@ -780,26 +781,33 @@ def _merged_views(*parts):
 
 
 def check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, device, block_v=None, use_slots=True, save="both",
-                   steps=2, tol=1e-2, merged=False):
+                   steps=2, tol=1e-2, merged=False, two_buffers=False):
     """gdn_decode with slots / M tokens / step outputs vs the reference, over `steps` successive steps;
     pool rows not in `slots` must stay untouched. `merged`: the kernel takes qkv, z and b, a as column views of
-    merged projections' outputs (in_proj_qkv+z, b+a), the reference contiguous copies."""
+    merged projections' outputs (in_proj_qkv+z, b+a), the reference contiguous copies. `two_buffers`: the state pool
+    has two rows per slot, and each step reads one buffer and writes the other (`state_rows`), leaving the read
+    rows as they were."""
     kernel = 4
     c = 2 * hk * dk + hv * dv
     fixed, pools, _ = gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device, kernel)
+    if two_buffers:
+        pools["state"] = torch.cat([pools["state"], pools["state"].flip(0) * 0.5])  # buffer p of slot s: row s + p * pool
     ref_pools = {k: v.clone() for k, v in pools.items()}
     for step in range(steps):
         _, _, inp = gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device, kernel, seed=step + 1)
-        slots = None
+        slots = state_rows = None
         if use_slots:
             perm = torch.randperm(pool, generator=torch.Generator().manual_seed(step)) if step else torch.arange(pool - 1, -1, -1)
             slots = perm[:bsz].to(device)
             slots = slots.to(torch.int32 if step % 2 else torch.int64)
+            if two_buffers:
+                state_rows = (slots + pool * (step % 2), slots + pool * (1 - step % 2))
+        before = pools["state"].clone()
         outs = {}
         for name, pl in (("kernel", pools), ("ref", ref_pools)):
             ss = sc = None
-            if save in ("both", "states"):
-                ss = torch.full((bsz, m - 1, hv, dk, dv), float("nan"), device=device)
+            if save in ("both", "records"):
+                ss = torch.full((bsz, m - 1, step_record_size(hk, dk, hv, dv)), float("nan"), device=device)
             if save in ("both", "conv"):
                 sc = torch.full((bsz, m - 1, kernel - 1, c), float("nan"), device=device).to(dtype)
             fn = gdn_decode if name == "kernel" else gdn_decode_reference
@@ -810,13 +818,16 @@ def check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, device, block_v=None, us
                 (qkv, z), (b, a) = _merged_views(qkv, z), _merged_views(b, a)
                 assert bsz * m == 1 or not qkv.is_contiguous()
             y = fn(qkv, z, b, a, pl["conv_state"], fixed["conv_weight"], fixed["A_log"],
-                   fixed["dt_bias"], fixed["norm_weight"], pl["state"], hk, slots=slots, tokens_per_seq=m,
-                   step_states=ss, step_conv=sc, **extra)
+                   fixed["dt_bias"], fixed["norm_weight"], pl["state"], hk, slots=slots, state_rows=state_rows,
+                   tokens_per_seq=m, step_records=ss, step_conv=sc, **extra)
             outs[name] = (y, ss, sc)
         (y, ss, sc), (ry, rss, rsc) = outs["kernel"], outs["ref"]
         assert rel_err(y, ry) < tol, f"step {step}"
         assert rel_err(pools["state"], ref_pools["state"]) < 1e-4
         torch.testing.assert_close(pools["conv_state"], ref_pools["conv_state"], rtol=0, atol=0)
+        if state_rows is not None:
+            assert torch.equal(pools["state"][state_rows[0].long()], before[state_rows[0].long()]), "read rows kept"
+            assert not torch.equal(pools["state"][state_rows[1].long()], before[state_rows[1].long()])
         if ss is not None and m > 1:
             assert rel_err(ss, rss) < 1e-4
         if sc is not None and m > 1:
@@ -825,16 +836,17 @@ def check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, device, block_v=None, us
 
 
 @cpu
-@pytest.mark.parametrize("bsz,pool,m,hk,hv,dk,dv,dtype,block_v,use_slots,save", [
-    (2, 3, 1, 2, 4, 16, 16, torch.float32, 8, True, "none"),
-    (2, 2, 2, 1, 3, 12, 20, torch.float16, 8, False, "both"),    # dv not a multiple of the block, no slots
-    (1, 3, 3, 2, 2, 32, 24, torch.float32, 16, True, "both"),
-    (3, 5, 4, 1, 2, 8, 12, torch.float16, 8, True, "both"),       # M > K-1: the new window is all new tokens
-    (2, 4, 4, 2, 4, 8, 8, torch.float32, 8, True, "none"),
-    (2, 3, 3, 1, 2, 8, 8, torch.float32, 8, False, "states"),     # pool larger than B without slots: rows 0..B-1
+@pytest.mark.parametrize("bsz,pool,m,hk,hv,dk,dv,dtype,block_v,use_slots,save,two_buffers", [
+    (2, 3, 1, 2, 4, 16, 16, torch.float32, 8, True, "none", False),
+    (2, 2, 2, 1, 3, 12, 20, torch.float16, 8, False, "both", False),    # dv not a multiple of the block, no slots
+    (1, 3, 3, 2, 2, 32, 24, torch.float32, 16, True, "both", True),
+    (3, 5, 4, 1, 2, 8, 12, torch.float16, 8, True, "both", True),       # M > K-1: the new window is all new tokens
+    (2, 4, 4, 2, 4, 8, 8, torch.float32, 8, True, "none", False),
+    (2, 3, 3, 1, 2, 8, 8, torch.float32, 8, False, "records", False),   # pool larger than B without slots: rows 0..B-1
 ])
-def test_gdn_decode_pool_interpreter(bsz, pool, m, hk, hv, dk, dv, dtype, block_v, use_slots, save):
-    check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, "cpu", block_v, use_slots, save, tol=2e-3)
+def test_gdn_decode_pool_interpreter(bsz, pool, m, hk, hv, dk, dv, dtype, block_v, use_slots, save, two_buffers):
+    check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, "cpu", block_v, use_slots, save, tol=2e-3,
+                   two_buffers=two_buffers)
 
 
 @cpu
@@ -848,28 +860,86 @@ def test_gdn_decode_reads_merged_projections_rows_in_place_interpreter(bsz, m, s
 @pytest.mark.parametrize("merged", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_gdn_decode_pool_gpu(m, merged):
-    check_gdn_pool(3, 5, m, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="both", merged=merged)
+    check_gdn_pool(3, 5, m, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="both", merged=merged,
+                   two_buffers=m > 1)
+
+
+def check_gdn_replay(bsz, m, hk, hv, dk, dv, dtype, device, block_v=None):
+    """gdn_replay after an M-token verify step (two layers, two state buffers per slot): for every kept < M it rebuilds
+    in the spare row the state that the same kernel leaves after only the first `kept` tokens, bit for bit, from the
+    untouched state before the step and the step's records."""
+    layers, pool, kernel = 2, bsz + 1, 4
+    states = torch.zeros(layers, 2 * pool, hv, dk, dv, device=device)
+    records = torch.full((layers, bsz * (m - 1) + 1, step_record_size(hk, dk, hv, dv)), float("nan"), device=device)
+    slots = torch.arange(bsz, device=device).flip(0)
+    read, write = slots * 2, slots * 2 + 1
+    per_layer = []
+    for layer in range(layers):
+        fixed, pools, inp = gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device, kernel, seed=layer)
+        states[layer, read] = pools["state"][slots]
+        conv = pools["conv_state"].clone()
+        gdn_decode(inp["qkv"], inp["z"], inp["b"], inp["a"], conv, fixed["conv_weight"], fixed["A_log"],
+                   fixed["dt_bias"], fixed["norm_weight"], states[layer], hk, slots=slots, state_rows=(read, write),
+                   tokens_per_seq=m, step_records=records[layer, 1:].view(bsz, m - 1, -1), block_v=block_v)
+        per_layer.append((fixed, pools, inp))
+    for i in range(bsz):
+        for kept in range(1, m):
+            scratch = pool * 2 - 1  # the padding slot's spare row
+            gdn_replay(states, records, hk, int(read[i]), scratch, 1 + i * (m - 1), kept)
+            for layer, (fixed, pools, inp) in enumerate(per_layer):
+                want = pools["state"][slots].clone()
+                rows = lambda t: t.view(bsz, m, -1)[:, :kept].reshape(bsz * kept, -1)  # noqa: E731
+                gdn_decode(rows(inp["qkv"]), rows(inp["z"]), rows(inp["b"]), rows(inp["a"]), pools["conv_state"][slots],
+                           fixed["conv_weight"], fixed["A_log"], fixed["dt_bias"], fixed["norm_weight"], want, hk,
+                           tokens_per_seq=kept, block_v=block_v)
+                assert torch.equal(states[layer, scratch], want[i]), f"sequence {i}, kept {kept}, layer {layer}"
+    assert torch.equal(records[:, 0].isnan(), torch.ones_like(records[:, 0], dtype=torch.bool)), "record 0 untouched"
+
+
+@cpu
+@pytest.mark.parametrize("bsz,m,hk,hv,dk,dv", [(2, 4, 2, 4, 16, 8), (1, 3, 1, 3, 8, 12)])
+def test_gdn_replay_interpreter(bsz, m, hk, hv, dk, dv):
+    check_gdn_replay(bsz, m, hk, hv, dk, dv, torch.float32, "cpu")
+
+
+@gpu
+@pytest.mark.parametrize("m", [2, 3, 4])
+def test_gdn_replay_gpu(m):
+    check_gdn_replay(2, m, 16, 64, 128, 128, torch.bfloat16, GPU)
+
+
+def _apply_records(state, records, num_k_heads, kept):
+    """The state after `kept` tokens from the state before them and their records (gdn_replay's math, in torch)."""
+    hv, dk, dv = state.shape[-3:]
+    s = state.clone()
+    for j in range(kept):
+        k, d, decay = records[..., j, :].split([num_k_heads * dk, hv * dv, hv], dim=-1)
+        k = k.reshape(*k.shape[:-1], num_k_heads, dk).repeat_interleave(hv // num_k_heads, dim=-2)
+        s = s * decay[..., None, None]
+        s = s + k[..., :, None] * d.reshape(*d.shape[:-1], hv, dv)[..., None, :]
+    return s
 
 
 def test_gdn_reference_tokens_are_steps():
     """The reference with M tokens per sequence is M successive one-token reference calls (slots too),
-    and its step outputs are the states and windows between those calls."""
+    and its step outputs are the windows between those calls and records that rebuild the states between them."""
     bsz, pool, m, hk, hv, dk, dv = 2, 3, 4, 2, 4, 8, 8
     fixed, pools, inp = gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, torch.float32, "cpu")
     slots = torch.tensor([2, 0])
     one = {k: v.clone() for k, v in pools.items()}
-    ss = torch.empty(bsz, m - 1, hv, dk, dv)
+    start = pools["state"][slots].clone()
+    ss = torch.empty(bsz, m - 1, step_record_size(hk, dk, hv, dv))
     sc = torch.empty(bsz, m - 1, 3, pools["conv_state"].shape[-1])
     y = gdn_decode_reference(inp["qkv"], inp["z"], inp["b"], inp["a"], pools["conv_state"], **fixed,
                              state=pools["state"], num_k_heads=hk, slots=slots, tokens_per_seq=m,
-                             step_states=ss, step_conv=sc)
+                             step_records=ss, step_conv=sc)
     rows = lambda t, j: t.view(bsz, m, -1)[:, j]  # noqa: E731
     for j in range(m):
         yj = gdn_decode_reference(rows(inp["qkv"], j), rows(inp["z"], j), rows(inp["b"], j), rows(inp["a"], j),
                                   one["conv_state"], **fixed, state=one["state"], num_k_heads=hk, slots=slots)
         torch.testing.assert_close(rows(y, j), yj, rtol=0, atol=0)
         if j < m - 1:
-            torch.testing.assert_close(ss[:, j], one["state"][slots], rtol=0, atol=0)
+            torch.testing.assert_close(_apply_records(start, ss, hk, j + 1), one["state"][slots], rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(sc[:, j], one["conv_state"][slots], rtol=0, atol=0)
     torch.testing.assert_close(pools["state"], one["state"], rtol=0, atol=0)
     torch.testing.assert_close(pools["conv_state"], one["conv_state"], rtol=0, atol=0)
@@ -897,16 +967,17 @@ def test_gdn_reference_tokens_match_model():
     mixed = GatedDeltaNet.causal_conv(layer, inp["qkv"], cache)
     core = GatedDeltaNet.recurrence(layer, mixed, beta, decay, cache)
     model_out = GatedDeltaNet.gated_norm(layer, core, inp["z"])
-    ss = torch.empty(1, m - 1, hv, dk, dv)
+    ss = torch.empty(1, m - 1, step_record_size(hk, dk, hv, dv))
     sc = torch.empty(1, m - 1, kernel - 1, c)
+    start = pools["state"][1:2].clone()
     ref_out = gdn_decode_reference(inp["qkv"], inp["z"], inp["b"], inp["a"], pools["conv_state"], **fixed,
                                    state=pools["state"], num_k_heads=hk, slots=torch.tensor([1]), tokens_per_seq=m,
-                                   step_states=ss, step_conv=sc)
+                                   step_records=ss, step_conv=sc)
     torch.testing.assert_close(ref_out, model_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pools["state"][1], cache.recurrent[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pools["conv_state"][1], cache.conv[0], rtol=0, atol=0)
     for j in range(m - 1):
-        torch.testing.assert_close(ss[0, j], cache.step_recurrent[0][j], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_apply_records(start, ss, hk, j + 1)[0], cache.step_recurrent[0][j], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(sc[0, j], cache.step_conv[0][j + 1 : j + kernel], rtol=0, atol=0)
 
 

@@ -64,7 +64,9 @@ def test_pooled_greedy_tokens_equal_reference(checkpoint, k):
 
 @cpu
 def test_verify_rollback_equals_never_seeing_rejected_tokens(checkpoint):
-    _, pooled = engines(checkpoint, "cpu", "float32")
+    """A verify of 4 tokens that keeps 2 leaves the caches of two plain steps: the GDN state rebuilt in the spare
+    buffer (gdn_replay), the conv windows restored, the state before the step untouched until then."""
+    _, pooled = engines(checkpoint, "cpu", "float32", 2)  # with MTP: two GDN state buffers per slot
     model, graphs = pooled.model, pooled.graphs
     prefix, extra = PROMPTS[2][:5], PROMPTS[2][5:9]
     clean, spec = pooled.pool.acquire(), pooled.pool.acquire()
@@ -72,12 +74,16 @@ def test_verify_rollback_equals_never_seeing_rejected_tokens(checkpoint):
         model(torch.tensor(prefix), [len(prefix)], [cache])
     for token in extra[:2]:  # the two tokens that are "accepted", one plain step each
         graphs.keep(graphs.run([token], [clean], 1), 0, clean, 1, 1)
+    before = {layer: state.clone() for layer, state in spec.recurrent.items()}
+    row = spec.state_row
     buf = graphs.run(extra, [spec], 4, rollback=True)  # verify 4 tokens in one step, keep 2
-    graphs.keep(buf, 0, spec, 4, 2)
-    assert spec.num_tokens == clean.num_tokens == 7
     pool = pooled.pool
+    assert all(torch.equal(pool.recurrent[layer][row], state) for layer, state in before.items()), "read, not written"
+    graphs.keep(buf, 0, spec, 4, 2)
+    assert spec.state_row == pool.state_row(spec.slot, 1) and spec.num_tokens == clean.num_tokens == 7
     for layer in pool.recurrent:
-        assert torch.allclose(pool.recurrent[layer][spec.slot], pool.recurrent[layer][clean.slot], rtol=1e-4, atol=1e-5)
+        assert spec.recurrent[layer].data_ptr() == pool.recurrent[layer][spec.state_row].data_ptr()
+        assert torch.allclose(spec.recurrent[layer], clean.recurrent[layer], rtol=1e-4, atol=1e-5)
         assert torch.allclose(pool.conv[layer][spec.slot], pool.conv[layer][clean.slot], rtol=1e-4, atol=1e-5)
     for layer in pool.keys:
         assert torch.allclose(pool.keys[layer][spec.slot, :7], pool.keys[layer][clean.slot, :7], rtol=1e-4, atol=1e-5)
@@ -88,21 +94,25 @@ def test_verify_rollback_equals_never_seeing_rejected_tokens(checkpoint):
 
 @cpu
 def test_verify_buckets_share_one_reserved_storage_of_rollback_saves(checkpoint):
-    """The engine reserves the verify steps' GDN saves at start (sequences x drafts positions, in its memory log), and
-    every verify bucket, whatever its batch or attention span, views that one storage instead of allocating its own
-    (one set per bucket grew with every span a conversation reached: 151 MB a position on the 122B)."""
+    """The engine reserves the verify steps' GDN saves at start (sequences x drafts positions of step records and
+    conv windows, in its memory log), and every verify bucket, whatever its batch or attention span, views that one
+    storage instead of allocating its own (one set per bucket grew with every span a conversation reached)."""
+    from roofline.engine.cache import step_record_size
+
     _, pooled = engines(checkpoint, "cpu", "float32", 2)
-    graphs, pool = pooled.graphs, pooled.pool
+    graphs, pool, cfg = pooled.graphs, pooled.pool, pooled.model.config
     layer = next(iter(pool.recurrent))
-    per_row = sum(t[0].numel() * t.element_size() for t in (pool.recurrent[layer], pool.conv[layer])) * len(pool.recurrent)
+    record = step_record_size(cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads,
+                              cfg.linear_value_head_dim) * 4
+    per_row = (pool.conv[layer][0].numel() * pool.conv[layer].element_size() + record) * len(pool.recurrent)
     assert graphs.saves_nbytes == 4 * 2 * per_row  # max_num_seqs 4 x 2 drafts
-    storage = graphs.saves[layer][0].data_ptr()
+    assert pool.recurrent_all.shape[1] == 2 * (4 + 1), "two state buffers a slot, the padding slot's too"
     views = []
     for batch, longest in [(1, 10), (3, 10), (1, 1500), (4, 1500)]:
         buf, b, span = graphs.buffers_for(batch, 3, longest, rollback=True)
-        states, convs = buf.rollback[layer]
-        assert states.shape[:2] == (b, 2) and states.is_contiguous() and convs.shape[:2] == (b, 2)
-        assert states.data_ptr() == storage and convs.data_ptr() == graphs.saves[layer][1].data_ptr()
+        records, convs = buf.rollback[layer]
+        assert records.shape[:2] == (b, 2) and records.is_contiguous() and convs.shape[:2] == (b, 2)
+        assert records.data_ptr() == graphs.records[0].data_ptr() and convs.data_ptr() == graphs.conv_saves[layer].data_ptr()
         views.append(span)
     assert len(set(views)) == 2 and graphs.saves_nbytes == 4 * 2 * per_row, "no bucket allocated saves of its own"
 

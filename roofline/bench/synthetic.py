@@ -150,8 +150,8 @@ def fill_context(run: SyntheticRun, context: int, seed: int = 0) -> None:
     slot = run.cache.slot
     for kv in (*run.pool.keys.values(), *run.pool.values.values()):
         kv[slot, :context].normal_(generator=gen)
-    for state in run.pool.recurrent.values():
-        state[slot].normal_(generator=gen).mul_(0.01)
+    for state in run.cache.recurrent.values():  # views of the pool's rows that hold the sequence's state now
+        state.normal_(generator=gen).mul_(0.01)
     run.cache.num_tokens = 0
     run.cache.advance(context)
 
@@ -167,8 +167,8 @@ def step_ids(vocab: int, m: int, distinct: bool) -> list[int]:
 
 def decode_ms(run: SyntheticRun, m: int, repeats: int, rollback: bool = False, distinct: bool = False) -> tuple[float, float]:
     """(engine step ms: inputs in, graph replay, argmax read back; replay alone ms): one sequence, m tokens
-    (`step_ids`). With `rollback` the step also saves each position's GDN state and conv window, as the engine's
-    MTP verify does. Without graphs (the interpreter's dry run) there is no replay: the step's time twice, no
+    (`step_ids`). With `rollback` the step writes the GDN states to the spare buffers and saves each position's
+    step record and conv window, as the engine's MTP verify does. Without graphs (the interpreter's dry run) there is no replay: the step's time twice, no
     warm-up."""
     ids = step_ids(run.model.config.vocab_size, m, distinct)
 
@@ -251,7 +251,8 @@ def breakdown_ms(run: SyntheticRun, context: int, repeats: int) -> dict[str, flo
     x = torch.randn(1, model.config.hidden_size, device=dev, dtype=model.dtype)
     batch = SlotBatch(pool, torch.tensor([run.cache.slot], dtype=torch.int32, device=dev),
                       torch.tensor([context], device=dev), torch.tensor([context + 1], dtype=torch.int32, device=dev),
-                      1, min(pool.max_len, max(1024, 1 << context.bit_length())))
+                      1, min(pool.max_len, max(1024, 1 << context.bit_length())),
+                      state_in=torch.tensor([run.cache.state_row], dtype=torch.int32, device=dev))
     totals = dict.fromkeys(COMPONENTS[:-1], 0.0)
     for layer in model.model.layers:
         full = layer.layer_type == "full_attention"
@@ -551,7 +552,8 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     if not fast.graph_ready:
         raise UserError("the decode step cannot be captured: " + ("; ".join(fast.graph_blockers) or "no fast path"))
     capacity = max(capacity, max(contexts) + max(verify_tokens, default=1) + 1)
-    pool = CachePool(cfg, cfg.layer_types, 1, capacity, device, model.dtype)
+    # two GDN state buffers: the verify rows run with the rollback, as the engine does with MTP
+    pool = CachePool(cfg, cfg.layer_types, 1, capacity, device, model.dtype, state_buffers=2)
     mtp_pool = CachePool(cfg, ["full_attention"], 1, capacity, device, model.dtype) if model.mtp is not None else None
     run = SyntheticRun(model, pool, DecodeGraphs(model, pool, 1, use_graphs=cuda), pool.acquire(), mtp_pool)
 

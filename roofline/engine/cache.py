@@ -87,12 +87,22 @@ class SequenceCache:
         return sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.recurrent.values()))
 
 
+def step_record_size(num_k_heads: int, k_dim: int, num_v_heads: int, v_dim: int) -> int:
+    """fp32 values of what one token of a GDN verify step records for the rollback (kernels.gdn_decode's
+    step_records): each key head's normalised k [Hk, dk], then each value head's delta d [Hv, dv], then its decay
+    [Hv]."""
+    return num_k_heads * k_dim + num_v_heads * v_dim + num_v_heads
+
+
 class CachePool:
     """Decode state for `num_slots` sequences, allocated once: what CUDA graphs index by slot.
 
     keys/values [S, max_len + PAD_TOKENS, kv_heads, head_dim] per full-attention layer (model
-    dtype); conv [S + 1, K-1, conv_dim] and recurrent [S + 1, v_heads, k_dim, v_dim] fp32 per GDN
-    layer. The padding rows of a batch bucket need somewhere harmless to write: for GDN state
+    dtype); conv [S + 1, K-1, conv_dim] and recurrent [(S + 1) x state_buffers, v_heads, k_dim, v_dim] fp32 per GDN
+    layer, the layers' recurrent states views of one tensor (`recurrent_all`, which `gdn_replay` takes whole). With
+    two state buffers (MTP speculation) slot s's state lives in row 2s + parity: a verify step reads the current
+    buffer and writes the other, so the state before the step survives for the rollback (SlotCache.flip_state).
+    The padding rows of a batch bucket need somewhere harmless to write: for GDN state
     the extra slot `pad_slot` (a few hundred MB at most), for keys and values the last
     PAD_TOKENS positions of slot 0, which no sequence reaches (a whole extra KV slot would cost
     a full context: 6.4 GB at 256K tokens on the 122B).
@@ -100,13 +110,21 @@ class CachePool:
 
     PAD_TOKENS = 8  # >= the most tokens a sequence has in one step (1 + the most drafts)
 
-    def __init__(self, cfg, layer_types: list[str], num_slots: int, max_len: int, device, dtype: torch.dtype):
-        self.max_len, self.num_slots = max_len, num_slots
+    def __init__(self, cfg, layer_types: list[str], num_slots: int, max_len: int, device, dtype: torch.dtype,
+                 state_buffers: int = 1):
+        if state_buffers not in (1, 2):
+            raise ValueError(f"state_buffers must be 1 or 2, got {state_buffers}")
+        self.max_len, self.num_slots, self.state_buffers = max_len, num_slots, state_buffers
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
         slots = num_slots + 1
+        gdn = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+        self.recurrent_all = torch.zeros(
+            len(gdn), slots * state_buffers, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim, dtype=torch.float32, device=device,
+        ) if gdn else None
         for i, kind in enumerate(layer_types):
             if kind == "full_attention":
                 shape = (num_slots, max_len + self.PAD_TOKENS, cfg.num_key_value_heads, cfg.head_dim)
@@ -114,11 +132,8 @@ class CachePool:
                 self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
             else:
                 self.conv[i] = torch.zeros(slots, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim, dtype=dtype, device=device)
-                self.recurrent[i] = torch.zeros(
-                    slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                    dtype=torch.float32, device=device,
-                )
-        self.pad_slot = num_slots  # GDN state of padding rows
+                self.recurrent[i] = self.recurrent_all[gdn.index(i)]
+        self.pad_slot = num_slots  # GDN state of padding rows (state row pad_slot * state_buffers)
         self.pad_kv = (0, max_len)  # (slot, first position) of padding rows' keys and values
         self.free = list(range(num_slots))
         # one slot's bytes per position, every layer's keys and values (what a token of context holds)
@@ -128,6 +143,10 @@ class CachePool:
     def nbytes(self) -> int:
         tensors = [*self.keys.values(), *self.values.values(), *self.conv.values(), *self.recurrent.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def state_row(self, slot: int, parity: int = 0) -> int:
+        """The row of `slot`'s GDN state in buffer `parity` (in every layer's recurrent pool)."""
+        return slot * self.state_buffers + parity
 
     def acquire(self, record_steps: bool = False) -> "SlotCache":
         if not self.free:
@@ -145,12 +164,36 @@ class SlotCache(SequenceCache):
 
     def __init__(self, pool: CachePool, slot: int, record_steps: bool = False):
         self.pool, self.slot = pool, slot
+        self.parity = 0  # which of the pool's state buffers holds the state (one buffer: always 0)
         self._kv_stale = True
         super().__init__(record_steps)
         for layer, conv in pool.conv.items():
             self.conv[layer] = conv[slot].zero_()
-        for layer, state in pool.recurrent.items():
-            self.recurrent[layer] = state[slot].zero_()
+        self._point_states()
+        for state in self.recurrent.values():
+            state.zero_()
+
+    @property
+    def state_row(self) -> int:
+        """The pool row that holds this sequence's GDN state now."""
+        return self.pool.state_row(self.slot, self.parity)
+
+    @property
+    def spare_state_row(self) -> int:
+        """The row a verify step writes its new state to (the other buffer)."""
+        if self.pool.state_buffers < 2:
+            raise RuntimeError("this cache pool keeps one GDN state buffer per slot: a verify step with a rollback "
+                               "needs two (CachePool(state_buffers=2), as the engine allocates with MTP)")
+        return self.pool.state_row(self.slot, 1 - self.parity)
+
+    def flip_state(self) -> None:
+        """After a verify step wrote the state to the spare row: that row holds it now."""
+        self.parity = self.spare_state_row - self.slot * self.pool.state_buffers
+        self._point_states()
+
+    def _point_states(self) -> None:
+        for layer, state in self.pool.recurrent.items():
+            self.recurrent[layer] = state[self.state_row]
 
     # The KV views are cut when read, not at every step: a captured decode step never reads them, and cutting
     # two views per attention layer cost ~40 us of host time per token and sequence.

@@ -227,10 +227,12 @@ class Engine:
         capacity = pool_capacity(self.max_model_len)
         use_graphs = model.device.type == "cuda"
         try:
-            self.pool = CachePool(cfg, cfg.layer_types, max_num_seqs, capacity, model.device, model.dtype)
+            # with MTP two GDN state buffers per slot: a verify writes the new state to the other (the rollback's)
+            self.pool = CachePool(cfg, cfg.layer_types, max_num_seqs, capacity, model.device, model.dtype,
+                                  state_buffers=2 if self.speculator else 1)
             if self.speculator:
                 self.mtp_pool = CachePool(cfg, ["full_attention"], max_num_seqs, capacity, model.device, model.dtype)
-            # each verify saves every GDN layer's state after each draft, for the rollback
+            # each verify saves every GDN layer's step records and conv window after each draft, for the rollback
             self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, use_graphs,
                                        rollback_rows=max_num_seqs * self.speculator.k_max if self.speculator else 0)
         except torch.OutOfMemoryError:

@@ -18,7 +18,7 @@ import torch
 
 from ..kernels.dispatch import MAX_EXPERT_TOKENS, TRITON_GRAPH_ROWS
 from ..model.layers import SlotBatch
-from .cache import CachePool, SlotCache
+from .cache import CachePool, SlotCache, step_record_size
 
 log = logging.getLogger("roofline.engine")
 
@@ -42,11 +42,11 @@ class StepInputs:
 
     Why: six small copies from pageable memory, each from a new tensor, cost ~0.1-0.3 ms of host time per
     token while the GPU waited (5-10% of a 4 ms H200 step). Layout: int64 ids, positions, kv_positions
-    ([B*M] each), then int32 slots, lengths, kv_slots ([B] each) in the same bytes.
+    ([B*M] each), then int32 slots, lengths, kv_slots, state_in, state_out ([B] each) in the same bytes.
     """
 
     def __init__(self, b: int, m: int, device: torch.device):
-        rows, n32 = b * m, 3 * b
+        rows, n32 = b * m, 5 * b
         size = 3 * rows + (n32 + 1) // 2
         self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
         pinned = device.type == "cuda"
@@ -55,11 +55,13 @@ class StepInputs:
         h64 = self.host.numpy()
         h32 = h64[3 * rows :].view(np.int32)
         self.ids_h, self.positions_h, self.kv_positions_h = h64[:rows], h64[rows : 2 * rows], h64[2 * rows : 3 * rows]
-        self.slots_h, self.lengths_h, self.kv_slots_h = h32[:b], h32[b : 2 * b], h32[2 * b : n32]
+        self.slots_h, self.lengths_h, self.kv_slots_h = h32[:b], h32[b : 2 * b], h32[2 * b : 3 * b]
+        self.state_in_h, self.state_out_h = h32[3 * b : 4 * b], h32[4 * b : n32]
         d32 = self.device_buffer[3 * rows :].view(torch.int32)
         self.ids, self.positions, self.kv_positions = self.device_buffer[:rows], self.device_buffer[rows : 2 * rows], \
             self.device_buffer[2 * rows : 3 * rows]
-        self.slots, self.lengths, self.kv_slots = d32[:b], d32[b : 2 * b], d32[2 * b : n32]
+        self.slots, self.lengths, self.kv_slots = d32[:b], d32[b : 2 * b], d32[2 * b : 3 * b]
+        self.state_in, self.state_out = d32[3 * b : 4 * b], d32[4 * b : n32]  # GDN state rows read / written
 
     def writable(self) -> "StepInputs":
         """Wait until the previous copy has read the host buffer (normally long done: the caller read its results)."""
@@ -78,25 +80,28 @@ class StepBuffers:
     """Static inputs and outputs of one bucket's graph."""
 
     inputs: StepInputs
-    rollback: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
+    rollback: dict[int, tuple[torch.Tensor, torch.Tensor]] | None  # layer -> (step records, conv windows) views
     hidden_in: torch.Tensor | None = None  # [B*M, H] the MTP head's hidden input
     hidden: torch.Tensor | None = None  # [B*M, H] post-norm
     logits: torch.Tensor | None = None  # [B*M, V] fp32
     graph: torch.cuda.CUDAGraph | None = None
-    # keep()'s copy lists per (slot, row, kept): 144 tensor views on the 122B, ~0.15 ms of host time per MTP step
-    # while the GPU waits, made once instead
-    restores: dict[tuple[int, int, int], list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = field(default_factory=dict)
+    # keep()'s conv-window copy lists per (slot, row, kept): 72 tensor views on the 122B, host time per MTP step while
+    # the GPU waits, made once instead
+    restores: dict[tuple[int, int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
 
 
 class DecodeGraphs:
     """Runs the pooled decode step for a batch of `SlotCache`s: of the main model, or with `mtp` of
     the MTP head (which also takes a hidden state per token).
 
-    The verify steps' rollback saves (each GDN layer's state and conv window after every position but the last) live
-    in one storage that every bucket views: steps run one at a time and `keep` reads a step's saves before the next
-    step runs, so buckets of other spans and batch sizes need no copies of their own (on the 122B a position's saves
-    are 151 MB; one set per bucket grew with every attention span a conversation reached). `rollback_rows` (sequences
-    x drafts) reserves it up front, so the engine's memory is known at start; a larger step grows it."""
+    A verify step with a rollback (`rollback=True`) reads each sequence's GDN state from its current buffer and
+    writes the new state to the other (the pool has two: CachePool's `state_buffers`), saving per GDN layer and
+    position but the last the step's records (gdn_decode's `step_records`: k, d and decay, 40 KB on the 122B) and
+    conv window; `keep` then switches the sequence to the new state, or, where drafts were rejected, rebuilds the
+    kept tokens' state from the old one (`gdn_replay`, one launch) and restores the window. Those saves live in one
+    storage that every bucket views: steps run one at a time and `keep` reads a step's saves before the next step
+    runs. `rollback_rows` (sequences x drafts) reserves it up front, so the engine's memory is known at start; a
+    larger step grows it."""
 
     def __init__(self, model, pool: CachePool, max_batch: int, use_graphs: bool, mtp: bool = False, logits=None,
                  rollback_rows: int = 0):
@@ -106,27 +111,41 @@ class DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.replays = 0
         self.captures: list[dict] = []  # per captured bucket: its key and the seconds its warm-up and capture took
-        self.saves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (states [R, ...], conv windows [R, ...])
+        self.records: torch.Tensor | None = None  # [GDN layers, R, record_size] fp32: the verify's step records
+        self.conv_saves: dict[int, torch.Tensor] = {}  # layer -> conv windows [R, K-1, C]
+        self.replay_compiled = False
         if rollback_rows:
             self._reserve_saves(rollback_rows)
 
     @property
     def saves_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.saves.values() for t in pair)
+        saves = [*self.conv_saves.values(), *([] if self.records is None else [self.records])]
+        return sum(t.numel() * t.element_size() for t in saves)
 
     def _reserve_saves(self, rows: int) -> None:
         """A new storage of `rows` positions' saves (buckets captured on an older one keep it alive)."""
         dev, pool = self.model.device, self.pool
-        self.saves = {layer: (torch.empty(rows, *state.shape[1:], dtype=state.dtype, device=dev),
-                              torch.empty(rows, *pool.conv[layer].shape[1:], dtype=pool.conv[layer].dtype, device=dev))
-                      for layer, state in pool.recurrent.items()}
+        if pool.recurrent_all is None:
+            return
+        layers, _, hv, dk, dv = pool.recurrent_all.shape
+        self.records = torch.zeros(layers, rows, step_record_size(self._k_heads(), dk, hv, dv), dtype=torch.float32,
+                                   device=dev)
+        self.conv_saves = {layer: torch.empty(rows, *conv.shape[1:], dtype=conv.dtype, device=dev)
+                           for layer, conv in pool.conv.items()}
+
+    def _k_heads(self) -> int:
+        return self.model.config.linear_num_key_heads
 
     def _rollback_views(self, b: int, m: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """[b, m-1, ...] views of the saves' storage (contiguous prefixes), grown first if it is too small."""
+        """Per GDN layer, [b, m-1, ...] views of the saves' storage (contiguous prefixes), grown first if too small."""
+        if self.pool.state_buffers < 2:
+            raise ValueError("a verify step with a rollback needs a cache pool with two GDN state buffers per slot "
+                             "(CachePool(state_buffers=2), as the engine allocates with MTP)")
         rows = b * (m - 1)
-        if not self.saves or next(iter(self.saves.values()))[0].shape[0] < rows:
+        if self.records is None or self.records.shape[1] < rows:
             self._reserve_saves(rows)
-        return {layer: tuple(t[:rows].view(b, m - 1, *t.shape[1:]) for t in pair) for layer, pair in self.saves.items()}
+        return {layer: (self.records[i, :rows].view(b, m - 1, -1), self.conv_saves[layer][:rows].view(b, m - 1, *conv.shape[1:]))
+                for i, (layer, conv) in enumerate(self.pool.conv.items())}
 
     def _new_buffers(self, b: int, m: int, rollback: bool) -> StepBuffers:
         dev, pool = self.model.device, self.pool
@@ -134,6 +153,7 @@ class DecodeGraphs:
         inputs = StepInputs(b, m, dev)  # every row padding until run() fills them: the warm-up and capture touch no sequence
         inputs.ids_h[:] = 0
         inputs.slots_h[:] = pool.pad_slot
+        inputs.state_in_h[:] = inputs.state_out_h[:] = pool.state_row(pool.pad_slot)
         inputs.positions_h[:] = np.tile(np.arange(m), b)
         inputs.lengths_h[:] = m
         inputs.kv_slots_h[:] = pad_slot
@@ -146,11 +166,21 @@ class DecodeGraphs:
         )
         if rollback and m > 1:
             buffers.rollback = self._rollback_views(b, m)
+            if self.use_graphs and not self.replay_compiled:  # compile it now, not at the first rejected draft
+                pad = pool.state_row(pool.pad_slot)
+                self._replay(pad, pad + 1, 0, 1)  # the padding slot's rows: nothing reads them
+                self.replay_compiled = True
         return buffers
+
+    def _replay(self, row_in: int, row_out: int, first_record: int, kept: int) -> None:
+        from ..kernels.gdn_decode import gdn_replay
+
+        gdn_replay(self.pool.recurrent_all, self.records, self._k_heads(), row_in, row_out, first_record, kept)
 
     def _body(self, buf: StepBuffers, m: int, span: int) -> None:
         i = buf.inputs
-        batch = SlotBatch(self.pool, i.slots, i.positions, i.lengths, m, span, buf.rollback, i.kv_slots, i.kv_positions)
+        batch = SlotBatch(self.pool, i.slots, i.positions, i.lengths, m, span, buf.rollback, i.kv_slots, i.kv_positions,
+                          i.state_in, i.state_out)
         if self.mtp:
             buf.hidden = self.model.mtp_slot_forward(i.ids, buf.hidden_in, batch)
         else:
@@ -228,6 +258,9 @@ class DecodeGraphs:
         i.kv_positions_h[n * m :] += pad_start  # padding rows write past every sequence's end
         i.slots_h[:n] = [c.slot for c in caches]
         i.slots_h[n:] = self.pool.pad_slot
+        i.state_in_h[:n] = [c.state_row for c in caches]
+        # a verify with a rollback writes the new states to the spare buffers; keep() switches to them
+        i.state_out_h[:n] = [c.spare_state_row for c in caches] if buf.rollback is not None else i.state_in_h[:n]
         i.kv_slots_h[:n] = i.slots_h[:n]
         i.kv_slots_h[n:] = pad_slot
         i.lengths_h[:] = starts + m
@@ -244,18 +277,20 @@ class DecodeGraphs:
         return buf
 
     def keep(self, buf: StepBuffers, index: int, cache: SlotCache, m: int, kept: int) -> None:
-        """Advance `cache` (row `index` of the last step) by the first `kept` of its m tokens, restoring
-        the GDN state saved after token kept-1 when the step went further."""
-        if kept < m:
-            if buf.rollback is None:
-                raise RuntimeError("this step saved no rollback state")
-            # Two multi-tensor copies (states fp32, conv windows in the model's dtype: one dtype per launch), not two
-            # copies per GDN layer (72 on the 122B) issued while the GPU waits for the host.
-            key = (cache.slot, index, kept)
-            if key not in buf.restores:
-                buf.restores[key] = [([pool[layer][cache.slot] for layer in buf.rollback],
-                                      [saved[which][index, kept - 1] for saved in buf.rollback.values()])
-                                     for which, pool in enumerate((self.pool.recurrent, self.pool.conv))]
-            for dst, src in buf.restores[key]:
-                torch._foreach_copy_(dst, src)
+        """Advance `cache` (row `index` of the last step) by the first `kept` of its m tokens. After a verify with a
+        rollback the sequence's state is in its spare buffer: with every token kept that is the state; with fewer,
+        the kept tokens' state is rebuilt there from the state before the step (gdn_replay) and the conv windows
+        saved after token kept-1 are restored."""
+        if kept < m and buf.rollback is None:
+            raise RuntimeError("this step saved no rollback state")
+        if buf.rollback is not None:
+            if kept < m:
+                self._replay(cache.state_row, cache.spare_state_row, index * (m - 1), kept)
+                # one multi-tensor copy, not one copy per GDN layer (36 on the 122B) issued while the GPU waits
+                key = (cache.slot, index, kept)
+                if key not in buf.restores:
+                    buf.restores[key] = ([self.pool.conv[layer][cache.slot] for layer in buf.rollback],
+                                         [conv[index, kept - 1] for _, conv in buf.rollback.values()])
+                torch._foreach_copy_(*buf.restores[key])
+            cache.flip_state()
         cache.advance(kept)

@@ -11,15 +11,22 @@ Per sequence b and value head h (key head h // (Hv/Hk)), token by token, from th
 The roundings to the model dtype follow roofline.model.layers.GatedDeltaNet step for step.
 
 Pools and several tokens (the CUDA-graph decode step and the MTP verify step):
-- `slots` [B] (int32/int64, optional): conv_state [S, K-1, C] and state [S, Hv, dk, dv] are pools
-  of S >= B slots and sequence b reads and updates slot slots[b]; without it, row b.
+- `slots` [B] (int32/int64, optional): conv_state [S, K-1, C] and state [R, Hv, dk, dv] are pools
+  and sequence b reads and updates conv slot slots[b] and state row slots[b]; without it, row b.
+  `state_rows` = (read [B], write [B]) separates the state's rows: the MTP verify reads a sequence's state
+  from one of its two buffers and writes the new one to the other, so the state before the step stays
+  (engine.cache.CachePool's `state_buffers`).
 - `tokens_per_seq` M: qkv [B*M, C], z [B*M, Hv*dv], a, b [B*M, Hv] and the output [B*M, Hv*dv]
   are sequence-major (row b*M + j is token j of sequence b). The M tokens are processed in order,
   exactly as M successive one-token steps (same roundings); the state stays in registers across
   them (read and written once), and the slot holds the values after all M tokens.
-- `step_states` [B, M-1, Hv, dk, dv] fp32 and `step_conv` [B, M-1, K-1, C] (optional outputs):
-  the recurrent state and the conv window (oldest row first, as conv_state holds it) after token
-  j, j = 0..M-2, so a verify step that accepts only j+1 tokens can roll the slot back.
+- `step_records` [B, M-1, step_record_size(...)] fp32 and `step_conv` [B, M-1, K-1, C] (optional outputs):
+  for token j = 0..M-2, what its state update used (each key head's normalised k, each value head's
+  delta d and decay; 40 KB a layer on the 122B) and the conv window after it (oldest row first, as
+  conv_state holds it). A verify step that accepts only j+1 tokens rebuilds the state after token j from
+  the untouched state before the step (`gdn_replay`, the same float operations in the same order, so the
+  same bits) and restores the window. Saving whole states instead (4.2 MB a layer and position) cost the
+  122B's M = 3 verify 0.19 ms every step on an H100 (session 20).
 
 Parallelism: the state is the bytes (122B: 64 heads x 128 x 128 fp32 = 4.2 MB read and written
 per layer), and fla's fused_recurrent kernel gives one program per head at T=1 (~4% of the
@@ -42,17 +49,19 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..engine.cache import step_record_size
 from ._common import (INTERPRET, arrive, counters_for, next_pow2, pdl_options, reset, rows_in_place,
                       wait_for_inputs)
 
 MAX_TOKENS = 5  # tokens per sequence in one step (1 decode token + up to 4 MTP drafts)
 
 
-def _check_step_outputs(bsz, m, conv_state, state, step_states, step_conv):
-    if step_states is not None:
-        want = (bsz, m - 1, *state.shape[1:])
-        if tuple(step_states.shape) != want or step_states.dtype != torch.float32 or not step_states.is_contiguous():
-            raise ValueError(f"step_states must be contiguous fp32 {list(want)}, got {list(step_states.shape)}")
+def _check_step_outputs(bsz, m, conv_state, state, num_k_heads, step_records, step_conv):
+    if step_records is not None:
+        hv, dk, dv = state.shape[1:]
+        want = (bsz, m - 1, step_record_size(num_k_heads, dk, hv, dv))
+        if tuple(step_records.shape) != want or step_records.dtype != torch.float32 or not step_records.is_contiguous():
+            raise ValueError(f"step_records must be contiguous fp32 {list(want)}, got {list(step_records.shape)}")
     if step_conv is not None:
         want = (bsz, m - 1, *conv_state.shape[1:])
         if tuple(step_conv.shape) != want or step_conv.dtype != conv_state.dtype or not step_conv.is_contiguous():
@@ -61,7 +70,7 @@ def _check_step_outputs(bsz, m, conv_state, state, step_states, step_conv):
 
 def _one_step(qkv, z, b, a, window_hist, conv_weight, A_log, dt_bias, norm_weight, s, num_k_heads, eps):
     """One token per sequence: qkv [N, C], window_hist [N, K-1, C], s [N, Hv, dk, dv] fp32
-    -> (out [N, Hv*dv], new window [N, K-1, C], new state)."""
+    -> (out [N, Hv*dv], new window [N, K-1, C], new state, its step record [N, record_size])."""
     bsz, conv_dim = qkv.shape
     hv, dk, dv = s.shape[1:]
     key = num_k_heads * dk
@@ -75,7 +84,8 @@ def _one_step(qkv, z, b, a, window_hist, conv_weight, A_log, dt_bias, norm_weigh
     q = q.view(bsz, num_k_heads, dk)
     k = k.view(bsz, num_k_heads, dk)
     q = (q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(group, dim=1) * dk**-0.5
-    k = (k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(group, dim=1)
+    k_heads = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    k = k_heads.repeat_interleave(group, dim=1)
     v = v.view(bsz, hv, dv)
     beta = torch.sigmoid(b.float()).to(dtype).float()  # the model takes sigmoid in its dtype
     decay = (-A_log.float().exp() * F.softplus(a.float() + dt_bias.float())).exp()
@@ -86,34 +96,37 @@ def _one_step(qkv, z, b, a, window_hist, conv_weight, A_log, dt_bias, norm_weigh
     of = o.to(dtype).float()
     normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     gated = (norm_weight.float() * normed.float()).to(dtype).float() * F.silu(z.view(bsz, hv, dv).float())
-    return gated.to(dtype).reshape(bsz, hv * dv), window[:, 1:], s
+    record = torch.cat([k_heads.reshape(bsz, -1), delta.reshape(bsz, -1), decay.float()], dim=1)
+    return gated.to(dtype).reshape(bsz, hv * dv), window[:, 1:], s, record
 
 
 def gdn_decode_reference(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weight, state,
-                         num_k_heads: int, eps: float = 1e-6, *, slots=None, tokens_per_seq: int = 1,
-                         step_states=None, step_conv=None) -> torch.Tensor:
+                         num_k_heads: int, eps: float = 1e-6, *, slots=None, state_rows=None, tokens_per_seq: int = 1,
+                         step_records=None, step_conv=None) -> torch.Tensor:
     """The same step in plain PyTorch (fp32 math, the model's roundings), M tokens as M one-token steps;
-    updates conv_state and state (rows `slots`, or 0..B-1) in place and fills the optional step outputs."""
+    updates conv_state and state (rows `slots`, or 0..B-1; the state's rows `state_rows`) in place and fills the
+    optional step outputs."""
     m = tokens_per_seq
     n, conv_dim = qkv.shape
     if m < 1 or n % m:
         raise ValueError(f"{n} rows are not B sequences x {m} tokens")
     bsz = n // m
-    _check_step_outputs(bsz, m, conv_state, state, step_states, step_conv)
+    _check_step_outputs(bsz, m, conv_state, state, num_k_heads, step_records, step_conv)
     rows = torch.arange(bsz, device=qkv.device) if slots is None else slots.long()
-    hist, s = conv_state[rows], state[rows]
+    read, write = (rows, rows) if state_rows is None else (r.long() for r in state_rows)
+    hist, s = conv_state[rows], state[read]
     qkv3, z3, b3, a3 = (t.reshape(bsz, m, -1) for t in (qkv, z, b, a))
     outs = []
     for j in range(m):
-        o, hist, s = _one_step(qkv3[:, j], z3[:, j], b3[:, j], a3[:, j], hist, conv_weight, A_log, dt_bias,
-                               norm_weight, s, num_k_heads, eps)
+        o, hist, s, record = _one_step(qkv3[:, j], z3[:, j], b3[:, j], a3[:, j], hist, conv_weight, A_log, dt_bias,
+                                       norm_weight, s, num_k_heads, eps)
         outs.append(o)
-        if j < m - 1 and step_states is not None:
-            step_states[:, j] = s
+        if j < m - 1 and step_records is not None:
+            step_records[:, j] = record
         if j < m - 1 and step_conv is not None:
             step_conv[:, j] = hist
     conv_state[rows] = hist
-    state[rows] = s
+    state[write] = s
     return torch.stack(outs, 1).reshape(n, -1)
 
 
@@ -181,11 +194,11 @@ def _gated_norm_store(o, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, 
 @triton.jit
 def _gdn_decode_kernel(
     qkv_ptr, z_ptr, b_ptr, a_ptr, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, nw_ptr, state_ptr, out_ptr, o_ws, cnt_ptr,
-    slot_ptr, sstate_ptr, sconv_ptr,
-    C, KEY, HV, HK, DK, DV, eps, QS, ZS, BS, AS,
+    slot_ptr, rin_ptr, rout_ptr, srec_ptr, sconv_ptr,
+    C, KEY, HV, HK, DK, DV, eps, QS, ZS, BS, AS, REC,
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     NVB, KERNEL: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, SAVE_STATES: tl.constexpr, SAVE_CONV: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, SAVE_CONV: tl.constexpr, PDL: tl.constexpr = False,
 ):
     vb = tl.program_id(0)
     h = tl.program_id(1)
@@ -194,8 +207,12 @@ def _gdn_decode_kernel(
     ty = out_ptr.dtype.element_ty
     if HAS_SLOTS:
         slot = tl.load(slot_ptr + bi).to(tl.int64)
+        row_in = tl.load(rin_ptr + bi).to(tl.int64)  # the state's rows (the slots', or its two buffers')
+        row_out = tl.load(rout_ptr + bi).to(tl.int64)
     else:
         slot = bi.to(tl.int64)
+        row_in = slot
+        row_out = slot
     qkv_row = qkv_ptr + (bi * M).to(tl.int64) * QS  # token 0 of this sequence (rows QS apart: z, b, a by theirs)
     hist = conv_ptr + slot * (KERNEL - 1) * C
     dk = tl.arange(0, BDK)
@@ -209,7 +226,8 @@ def _gdn_decode_kernel(
     # issue the state load first: it is the bytes, the conv and norms below overlap with it. Under PDL it goes out
     # before the wait for the previous kernel: only this kernel writes the state (the step's inputs, slots among
     # them, are copied in before the first kernel), so it overlaps with the previous kernel's tail too.
-    s_ptrs = state_ptr + ((slot * HV + h) * DK + dk[:, None]) * DV + vv[None, :]
+    tile = (h * DK + dk[:, None]) * DV + vv[None, :]
+    s_ptrs = state_ptr + row_in * HV * DK * DV + tile
     smask = dmask[:, None] & vmask[None, :]
     s = tl.load(s_ptrs, mask=smask, other=0)
     decay_scale = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
@@ -233,11 +251,15 @@ def _gdn_decode_kernel(
         s = s + k[:, None] * d[None, :]
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(o_ws + (tok * HV + h) * DV + vv, o, mask=vmask)
-        if SAVE_STATES:
+        if SAVE_STEPS:  # what gdn_replay needs to redo this update: k, d, decay
             if j < M - 1:
-                sp = sstate_ptr + (((bi * (M - 1) + j) * HV + h) * DK + dk[:, None]).to(tl.int64) * DV + vv[None, :]
-                tl.store(sp, s, mask=smask)
-    tl.store(s_ptrs, s, mask=smask)
+                rec = srec_ptr + (bi * (M - 1) + j).to(tl.int64) * REC
+                if vb == 0:
+                    if h % GROUP == 0:
+                        tl.store(rec + kh * DK + dk, k, mask=dmask)
+                    tl.store(rec + HK * DK + HV * DV + h, decay)
+                tl.store(rec + HK * DK + h * DV + vv, d, mask=vmask)
+    tl.store(state_ptr + row_out * HV * DK * DV + tile, s, mask=smask)
     sconv = sconv_ptr + (bi * (M - 1)).to(tl.int64) * (KERNEL - 1) * C
     if SAVE_CONV:
         _save_windows(qkv_row, hist, sconv, cv, vmask, C, QS, M, KERNEL)
@@ -267,10 +289,12 @@ _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl
 
 
 def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, num_k_heads: int,
-               eps: float = 1e-6, *, slots=None, tokens_per_seq: int = 1, step_states=None, step_conv=None,
-               out=None, block_v: int | None = None, num_warps: int | None = None, counters=None) -> torch.Tensor:
+               eps: float = 1e-6, *, slots=None, state_rows=None, tokens_per_seq: int = 1, step_records=None,
+               step_conv=None, out=None, block_v: int | None = None, num_warps: int | None = None,
+               counters=None) -> torch.Tensor:
     """One fused GDN decode step of M = tokens_per_seq tokens per sequence (see the module docstring);
-    updates conv_state and state (rows `slots`, or 0..B-1) in place -> [B*M, Hv*dv]."""
+    updates conv_state and state (rows `slots`, or 0..B-1; the state's `state_rows` = (read, write)) in place
+    -> [B*M, Hv*dv]."""
     m = tokens_per_seq
     n, conv_dim = qkv.shape
     hv, dk, dv = state.shape[1:]
@@ -283,10 +307,13 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         raise ValueError(f"{hv} value heads do not divide into {num_k_heads} key heads")
     if slots is None and (state.shape[0] < bsz or conv_state.shape[0] < bsz):
         raise ValueError(f"{bsz} sequences but only {state.shape[0]} state rows")
-    if slots is not None and (slots.shape != (bsz,) or slots.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"slots must be int32/int64 [{bsz}], got {slots.dtype} {list(slots.shape)}")
-    _check_step_outputs(bsz, m, conv_state, state, step_states, step_conv)
-    save_states = step_states is not None and m > 1
+    for name, rows in (("slots", slots), *zip(("state_rows[0]", "state_rows[1]"), state_rows or ())):
+        if rows is not None and (rows.shape != (bsz,) or rows.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"{name} must be int32/int64 [{bsz}], got {rows.dtype} {list(rows.shape)}")
+    if state_rows is not None and slots is None:
+        raise ValueError("state_rows need slots (the conv windows' rows)")
+    _check_step_outputs(bsz, m, conv_state, state, num_k_heads, step_records, step_conv)
+    save_steps = step_records is not None and m > 1
     save_conv = step_conv is not None and m > 1
     kernel = conv_state.shape[1] + 1
     group = hv // num_k_heads
@@ -303,11 +330,62 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     _gdn_decode_kernel[(nvb, hv, bsz)](
         qkv, z, b, a, conv_state, conv_weight.contiguous(),
         A_log, dt_bias, norm_weight, state, out, o_ws, cnt,
-        slots if slots is not None else state, step_states if save_states else state,
-        step_conv if save_conv else conv_state,
-        conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_,
+        *((slots, *(state_rows or (slots, slots))) if slots is not None else (state, state, state)),
+        step_records if save_steps else state, step_conv if save_conv else conv_state,
+        conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_, step_record_size(num_k_heads, dk, hv, dv),
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
-        CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STATES=save_states,
+        CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps,
         SAVE_CONV=save_conv, num_warps=num_warps or (2 if not INTERPRET else 1), **pdl_options(qkv.device),
     )
     return out
+
+
+@triton.jit(do_not_specialize=["row_in", "row_out", "first_record", "kept"])
+def _gdn_replay_kernel(state_ptr, rec_ptr, LAYER_STATE, LAYER_REC, row_in, row_out, first_record, kept,
+                       HV, HK, DK, DV, REC, GROUP: tl.constexpr, BDK: tl.constexpr, BV: tl.constexpr):
+    vb = tl.program_id(0)
+    h = tl.program_id(1)
+    layer = tl.program_id(2).to(tl.int64)
+    kh = h // GROUP
+    dk = tl.arange(0, BDK)
+    dmask = dk < DK
+    vv = vb * BV + tl.arange(0, BV)
+    vmask = vv < DV
+    smask = dmask[:, None] & vmask[None, :]
+    states = state_ptr + layer * LAYER_STATE + (h * DK + dk[:, None]) * DV + vv[None, :]
+    s = tl.load(states + row_in.to(tl.int64) * HV * DK * DV, mask=smask, other=0)
+    records = rec_ptr + layer * LAYER_REC + first_record.to(tl.int64) * REC
+    for j in range(kept):  # as _gdn_decode_kernel's update, operation for operation
+        rec = records + j * REC
+        k = tl.load(rec + kh * DK + dk, mask=dmask, other=0)
+        d = tl.load(rec + HK * DK + h * DV + vv, mask=vmask, other=0)
+        decay = tl.load(rec + HK * DK + HV * DV + h)
+        s = s * decay
+        s = s + k[:, None] * d[None, :]
+    tl.store(states + row_out.to(tl.int64) * HV * DK * DV, s, mask=smask)
+
+
+def gdn_replay(states: torch.Tensor, records: torch.Tensor, num_k_heads: int, row_in: int, row_out: int,
+               first_record: int, kept: int) -> None:
+    """After a verify step that kept `kept` of its tokens: every GDN layer's state row `row_out` <- the state in row
+    `row_in` (before the step) updated by the step's first `kept` tokens from their records (rows first_record ..
+    first_record + kept - 1 of each layer's records); one launch for all layers. `states` [L, R, Hv, dk, dv] fp32
+    (every layer's pool, CachePool.recurrent_all), `records` [L, rows, record_size] fp32 (every layer's step_records
+    storage). Bit for bit the state the step had after token kept - 1."""
+    layers, rows, hv, dk, dv = states.shape
+    rec = step_record_size(num_k_heads, dk, hv, dv)
+    if records.dim() != 3 or records.shape[0] != layers or records.shape[2] != rec or records.dtype != torch.float32:
+        raise ValueError(f"gdn_replay: records must be fp32 [{layers}, rows, {rec}], got {records.dtype} "
+                         f"{list(records.shape)}")
+    if not (0 <= row_in < rows and 0 <= row_out < rows and kept >= 1 and 0 <= first_record
+            and first_record + kept <= records.shape[1]):
+        raise ValueError(f"gdn_replay: state rows {row_in} -> {row_out} of {rows}, records {first_record} + {kept} of "
+                         f"{records.shape[1]}")
+    if not states.is_contiguous() or not records.is_contiguous():
+        raise ValueError("gdn_replay wants contiguous states and records")
+    bv = 16 if not INTERPRET else next_pow2(dv)
+    _gdn_replay_kernel[(triton.cdiv(dv, bv), hv, layers)](
+        states, records, rows * hv * dk * dv, records.shape[1] * rec, row_in, row_out, first_record, kept,
+        hv, num_k_heads, dk, dv, rec, GROUP=hv // num_k_heads, BDK=next_pow2(dk), BV=bv,
+        num_warps=2 if not INTERPRET else 1,
+    )

@@ -57,7 +57,7 @@ def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch,
 
 
 def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch, residual: torch.Tensor | None = None):
-    step_states, step_conv = (batch.rollback or {}).get(gdn.layer_idx, (None, None))
+    step_records, step_conv = (batch.rollback or {}).get(gdn.layer_idx, (None, None))
     (b, a), join = beside(x.device, gdn.merged["b_a"], x)  # the small b/a projection beside the big one
     qkv, z = gdn.merged["qkv_z"](x)  # each pair one launch where its formats agree (merge.py)
     join()
@@ -65,7 +65,8 @@ def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch, residua
         qkv, z, b, a,
         batch.pool.conv[gdn.layer_idx], gdn.conv1d.weight, gdn.A_log, gdn.dt_bias, gdn.norm.weight,
         batch.pool.recurrent[gdn.layer_idx], gdn.num_k_heads, gdn.eps,
-        slots=batch.slots, tokens_per_seq=batch.tokens_per_seq, step_states=step_states, step_conv=step_conv,
+        slots=batch.slots, state_rows=(batch.state_in, batch.state_out), tokens_per_seq=batch.tokens_per_seq,
+        step_records=step_records, step_conv=step_conv,
     )
     return out_projection(gdn.out_proj, core, residual)
 

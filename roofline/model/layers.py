@@ -41,9 +41,10 @@ class SlotBatch:
 
     The mixers' `slot_step` (installed with the fast path's kernels) reads and writes the pool in
     place. With M > 1 (speculative verify), `rollback` holds per GDN layer the buffers that
-    receive the state and conv window after each of the first M-1 tokens. Keys and values go to
-    (`kv_slots`, `kv_positions`), which differ from (`slots`, `positions`) only for a bucket's
-    padding rows (see CachePool).
+    receive each of the first M-1 tokens' state-update record and conv window (gdn_decode's
+    step_records). Keys and values go to (`kv_slots`, `kv_positions`), which differ from (`slots`,
+    `positions`) only for a bucket's padding rows (see CachePool); GDN states are read from rows
+    `state_in` and written to `state_out` of the pool (the verify writes a sequence's other buffer).
     """
 
     pool: CachePool
@@ -55,10 +56,14 @@ class SlotBatch:
     rollback: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     kv_slots: torch.Tensor | None = None  # [B] where keys and values are written and read; default slots
     kv_positions: torch.Tensor | None = None  # [B*M] where they are written; default positions
+    state_in: torch.Tensor | None = None  # [B] GDN state rows read; default slots
+    state_out: torch.Tensor | None = None  # [B] GDN state rows written; default state_in
 
     def __post_init__(self):
         self.kv_slots = self.slots if self.kv_slots is None else self.kv_slots
         self.kv_positions = self.positions if self.kv_positions is None else self.kv_positions
+        self.state_in = self.slots if self.state_in is None else self.state_in
+        self.state_out = self.state_in if self.state_out is None else self.state_out
 
 
 def slot_step_missing(module: nn.Module, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
