@@ -192,6 +192,14 @@ def _gated_norm_store(o, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, 
 
 
 @triton.jit
+def _rank_one_update(s, k, d):
+    """s + k d^T as one explicit fma per element: left to the compiler, `s = s * decay; s = s + k d^T` contracts one
+    way in the decode kernel and another in gdn_replay (where s * decay has no other use), and the replayed state
+    differed from the step's in the last bits (H100, session 20). Both kernels call this."""
+    return tl.fma(tl.broadcast_to(k[:, None], s.shape), tl.broadcast_to(d[None, :], s.shape), s)
+
+
+@triton.jit
 def _gdn_decode_kernel(
     qkv_ptr, z_ptr, b_ptr, a_ptr, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, nw_ptr, state_ptr, out_ptr, o_ws, cnt_ptr,
     slot_ptr, rin_ptr, rout_ptr, srec_ptr, sconv_ptr,
@@ -248,7 +256,7 @@ def _gdn_decode_kernel(
         decay = tl.exp(decay_scale * softplus)
         s = s * decay
         d = (v - tl.sum(s * k[:, None], axis=0)) * beta
-        s = s + k[:, None] * d[None, :]
+        s = _rank_one_update(s, k, d)
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(o_ws + (tok * HV + h) * DV + vv, o, mask=vmask)
         if SAVE_STEPS:  # what gdn_replay needs to redo this update: k, d, decay
@@ -361,7 +369,7 @@ def _gdn_replay_kernel(state_ptr, rec_ptr, LAYER_STATE, LAYER_REC, row_in, row_o
         d = tl.load(rec + HK * DK + h * DV + vv, mask=vmask, other=0)
         decay = tl.load(rec + HK * DK + HV * DV + h)
         s = s * decay
-        s = s + k[:, None] * d[None, :]
+        s = _rank_one_update(s, k, d)
     tl.store(states + row_out.to(tl.int64) * HV * DK * DV, s, mask=smask)
 
 
