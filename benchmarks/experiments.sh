@@ -2,10 +2,11 @@
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 20"), as phases that each fit one 10-minute
 # device call (session 20 on a warm H100: `first` 107 s, `mtp` 133 s, `next`'s old form 257 s with a cold start);
 # `next` first:
-#   OUT=... bash benchmarks/experiments.sh next     # session 20's two GDN state buffers for the verify: the GDN kernel
-#                                                   # and replay GPU tests, the MTP-2 step through Engine.step
-#                                                   # unprofiled (6.81-6.87 ms before, H100), the graph tokens with
-#                                                   # MTP-2 (~5 min)
+#   OUT=... bash benchmarks/experiments.sh next     # session 20's explicit fma in the GDN update (b59fe7b): the GDN
+#                                                   # kernel and replay GPU tests (bit-exact replay), the graph tokens
+#                                                   # with MTP-2, then the 122B's M = 1 / M = 3 steps in ab_step
+#                                                   # (M = 1 3.572 ms before; the verify with the two buffers never
+#                                                   # timed alone) (~5 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -55,10 +56,10 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout -s INT -k 15 "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  next)  # session 20's two GDN state buffers: kernel tests, the MTP step's time, then the graph tokens with MTP-2
+  next)  # b59fe7b on a GPU: the replay bit-exact, the tokens with MTP-2, then the step times (default only)
     gpu_tests 60 -m gpu tests/test_kernels.py -k "gdn_decode_pool_gpu or gdn_replay_gpu"
-    timeout 150 python3 benchmarks/profile_mtp_engine.py --shape qwen3.5-122b-a10b --steps 20 --no-profile 2>&1 | tail -12
     gpu_tests 150 -m gpu tests/test_pooled_decode.py -k "cuda_graph_greedy and 2"
+    timeout 200 python3 benchmarks/ab_step.py --variants router-split --rounds 2 2>&1 | tail -8
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
