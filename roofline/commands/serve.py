@@ -91,7 +91,8 @@ def cache_budget(args, engine) -> int:
 
 def pooled_max_num_seqs(memory, max_model_len: int, drafts: int, budget: int, asked: int) -> int:
     """How many sequences the CUDA-graph decode path can preallocate within `budget` (at most `asked`): each slot holds
-    a full context (no paging yet), with MTP also the head's KV and the verify's rollback saves."""
+    a full context (no paging yet), with MTP also the head's KV, a second GDN state buffer and the verify's rollback
+    saves."""
     fixed = memory.pooled_bytes(max_model_len, 0, drafts)
     slot = memory.pooled_bytes(max_model_len, 1, drafts) - fixed
     if fixed + slot > budget:

@@ -245,7 +245,7 @@ class MtpSpeculator:
         where keep(i, n) leaves cache i holding exactly the first n of its step's tokens."""
         model, (b, m) = self.model, ids.shape
         if self.graphs:
-            buf = self.graphs.run(ids.reshape(-1), caches, m, rollback=True)  # GDN state saved after each position
+            buf = self.graphs.run(ids.reshape(-1), caches, m, rollback=True)  # new GDN states to the spare buffers
             return buf.hidden[: b * m], buf.logits[: b * m], lambda i, n: self.graphs.keep(buf, i, caches[i], m, n)
         for cache in caches:
             cache.record_steps = True  # GDN state after every position, for the rollback below
@@ -284,7 +284,8 @@ class MtpSpeculator:
             states[i].pending_tokens = results[-1].tokens  # ... each paired with the token after it
             kept.append(n)
         # The next draft's first head forward goes to the GPU now (a sequence that stops here wastes one), then the
-        # rollback copies: the main caches keep the last token and the accepted drafts; the next token is pending.
+        # rollback (a replay of the kept tokens' GDN state where drafts were rejected): the main caches keep the last
+        # token and the accepted drafts; the next token is pending.
         self.catch_up(states)
         for i, n in enumerate(kept):
             keep(i, n)
