@@ -93,6 +93,31 @@ def test_verify_rollback_equals_never_seeing_rejected_tokens(checkpoint):
 
 
 @cpu
+def test_rollback_reads_the_records_of_its_own_bucket_after_the_storage_grew(checkpoint):
+    """Without a reservation the saves' storage grows with the largest verify step; a bucket made before keeps its
+    views of the older storage, and its rollback must replay from those records, not the newer storage's."""
+    from roofline.engine.graphs import DecodeGraphs
+
+    _, pooled = engines(checkpoint, "cpu", "float32", 2)
+    model, pool = pooled.model, pooled.pool
+    graphs = DecodeGraphs(model, pool, 4, use_graphs=False)  # no rollback_rows: the storage starts at the first verify
+    prefix, extra = PROMPTS[2][:5], PROMPTS[2][5:9]
+    clean, spec, other = pool.acquire(), pool.acquire(), pool.acquire()
+    for cache in (clean, spec, other):
+        model(torch.tensor(prefix), [len(prefix)], [cache])
+    small, _, _ = graphs.buffers_for(1, 4, 9, rollback=True)
+    graphs.buffers_for(4, 4, 9, rollback=True)  # grows the storage
+    assert small.records is not graphs.records and small.records.shape[1] < graphs.records.shape[1]
+    for token in extra[:2]:
+        graphs.keep(graphs.run([token], [clean], 1), 0, clean, 1, 1)
+    buf = graphs.run(extra, [spec], 4, rollback=True)
+    assert buf is small
+    graphs.keep(buf, 0, spec, 4, 2)
+    for layer in pool.recurrent:
+        assert torch.allclose(spec.recurrent[layer], clean.recurrent[layer], rtol=1e-4, atol=1e-5)
+
+
+@cpu
 def test_verify_buckets_share_one_reserved_storage_of_rollback_saves(checkpoint):
     """The engine reserves the verify steps' GDN saves at start (sequences x drafts positions of step records and
     conv windows, in its memory log), and every verify bucket, whatever its batch or attention span, views that one

@@ -81,6 +81,7 @@ class StepBuffers:
 
     inputs: StepInputs
     rollback: dict[int, tuple[torch.Tensor, torch.Tensor]] | None  # layer -> (step records, conv windows) views
+    records: torch.Tensor | None = None  # the storage its records views are of (gdn_replay reads it whole)
     hidden_in: torch.Tensor | None = None  # [B*M, H] the MTP head's hidden input
     hidden: torch.Tensor | None = None  # [B*M, H] post-norm
     logits: torch.Tensor | None = None  # [B*M, V] fp32
@@ -166,16 +167,17 @@ class DecodeGraphs:
         )
         if rollback and m > 1:
             buffers.rollback = self._rollback_views(b, m)
+            buffers.records = self.records  # a later, larger step may grow the storage: this bucket keeps its own
             if self.use_graphs and not self.replay_compiled:  # compile it now, not at the first rejected draft
                 pad = pool.state_row(pool.pad_slot)
-                self._replay(pad, pad + 1, 0, 1)  # the padding slot's rows: nothing reads them
+                self._replay(buffers, pad, pad + 1, 0, 1)  # the padding slot's rows: nothing reads them
                 self.replay_compiled = True
         return buffers
 
-    def _replay(self, row_in: int, row_out: int, first_record: int, kept: int) -> None:
+    def _replay(self, buf: StepBuffers, row_in: int, row_out: int, first_record: int, kept: int) -> None:
         from ..kernels.gdn_decode import gdn_replay
 
-        gdn_replay(self.pool.recurrent_all, self.records, self._k_heads(), row_in, row_out, first_record, kept)
+        gdn_replay(self.pool.recurrent_all, buf.records, self._k_heads(), row_in, row_out, first_record, kept)
 
     def _body(self, buf: StepBuffers, m: int, span: int) -> None:
         i = buf.inputs
@@ -285,7 +287,7 @@ class DecodeGraphs:
             raise RuntimeError("this step saved no rollback state")
         if buf.rollback is not None:
             if kept < m:
-                self._replay(cache.state_row, cache.spare_state_row, index * (m - 1), kept)
+                self._replay(buf, cache.state_row, cache.spare_state_row, index * (m - 1), kept)
                 # one multi-tensor copy, not one copy per GDN layer (36 on the 122B) issued while the GPU waits
                 key = (cache.slot, index, kept)
                 if key not in buf.restores:
