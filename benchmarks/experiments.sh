@@ -6,7 +6,8 @@
 #                                                   # kernel and replay GPU tests (bit-exact replay), the graph tokens
 #                                                   # with MTP-2, then the 122B's M = 1 / M = 3 steps in ab_step
 #                                                   # (M = 1 3.572 ms before; the verify with the two buffers never
-#                                                   # timed alone) (~5 min)
+#                                                   # timed alone), then kernel_floor.py with its new rows: each
+#                                                   # program's whole weight share loaded before the PDL wait (~7 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -19,8 +20,8 @@
 #                                                   # experts kernels in 16-token chunks (~2 min)
 #   OUT=... bash benchmarks/experiments.sh attn     # decode attention's tile sweep at 8K / 32K (~2 min)
 #   OUT=... bash benchmarks/experiments.sh floor    # what a kernel costs in a captured PDL chain before any math:
-#                                                   # empty, one arrival round or atomic adds, pure streaming 2-32 MB
-#                                                   # (~1 min; measured in session 17)
+#                                                   # empty, one arrival round or atomic adds, pure streaming 2-32 MB,
+#                                                   # and (session 20) the whole share loaded before the wait (~2 min)
 #   OUT=... bash benchmarks/experiments.sh ab       # in one process on one 122B build (benchmarks/ab_step.py), 3
 #                                                   # alternating rounds of the M = 1 and M = 3 (verify) graphs: the
 #                                                   # default against session 17's router and INT4 configs (session
@@ -60,6 +61,7 @@ case "${1:-}" in
     gpu_tests 60 -m gpu tests/test_kernels.py -k "gdn_decode_pool_gpu or gdn_replay_gpu"
     gpu_tests 150 -m gpu tests/test_pooled_decode.py -k "cuda_graph_greedy and 2"
     timeout 200 python3 benchmarks/ab_step.py --variants router-split --rounds 2 2>&1 | tail -8
+    timeout 150 python3 benchmarks/kernel_floor.py 2>&1 | grep "stream\|wrote"
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \

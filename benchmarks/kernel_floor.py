@@ -20,7 +20,11 @@ CUDA graph, with and without programmatic dependent launch (the project's `wait_
   is in L2 from an earlier one) in 2 KB steps (a 4-warp GEMV program's step), one step ahead of its use, as the
   GEMVs' loop does, then the arrival round: the most any GEMV of that size can reach in the chain. At 2-3 programs per SM the
   next kernel's programs fit beside the running ones under PDL; `prefetch` asks L2 for the program's whole share
-  before the wait (run 10 tried that with full SMs, where it only added work).
+  before the wait (run 10 tried that with full SMs, where it only added work); `whole share` loads the program's whole
+  share into registers before the wait (session 20): under PDL a kernel's weight reads then overlap the previous
+  kernel's tail entirely, not just its first step. If that row streams near the copy bandwidth where the one-step rows
+  reach ~0.55 at 8 MB, the GEMVs should issue all their weight loads before the wait (the decode step's weights never
+  depend on the previous kernel).
 
 Per row: microseconds per kernel (median of graph replays / 48) and, for `stream`, the fraction of the copy bandwidth.
 """
@@ -60,7 +64,7 @@ def _stream_share(w_ptr, offs, end, w_first, WORDS, BLOCK: tl.constexpr):
 @triton.jit
 def _floor_kernel(in_ptr, out_ptr, w_ptr, ws_ptr, cnt_ptr, WORDS_PER_PROGRAM, SPLIT_K, BLOCK: tl.constexpr,
                   STREAM: tl.constexpr, ARRIVE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                  ATOMIC: tl.constexpr = False):
+                  ATOMIC: tl.constexpr = False, SHARE: tl.constexpr = 0):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     pid = tile * SPLIT_K + split
@@ -73,11 +77,18 @@ def _floor_kernel(in_ptr, out_ptr, w_ptr, ws_ptr, cnt_ptr, WORDS_PER_PROGRAM, SP
             for p in range(0, WORDS_PER_PROGRAM, BLOCK * 32):  # one prefetch per 128-byte line (32 words)
                 lines = base + p + tl.arange(0, BLOCK) * 32
                 prefetch_l2(w_ptr + lines, lines < end)
-        w_next = tl.load(w_ptr + offs, mask=offs < end, other=0)  # the first step, before the wait (as the GEMVs)
+        if SHARE:  # the whole share (SHARE >= WORDS_PER_PROGRAM words, a power of two) before the wait
+            words = tl.arange(0, SHARE)
+            share = tl.load(w_ptr + base + words, mask=words < WORDS_PER_PROGRAM, other=0)
+        else:
+            w_next = tl.load(w_ptr + offs, mask=offs < end, other=0)  # the first step, before the wait (as the GEMVs)
     wait_for_inputs(PDL)
     x = tl.load(in_ptr + tile)  # the previous kernel's output
     if STREAM:
-        acc = _stream_share(w_ptr, offs, end, w_next, WORDS_PER_PROGRAM, BLOCK)
+        if SHARE:
+            acc = tl.reduce(tl.reshape(share, [SHARE // BLOCK, BLOCK]), 0, _xor)
+        else:
+            acc = _stream_share(w_ptr, offs, end, w_next, WORDS_PER_PROGRAM, BLOCK)
     total = tl.reduce(acc, 0, _xor) ^ x
     if ATOMIC:  # the split-K sum as one relaxed atomic add per program into the output: no arrival round
         tl.atomic_add(out_ptr + tile, total & 1, sem="relaxed", scope="gpu")
@@ -158,11 +169,15 @@ def main():
         results["rows"].append(entry)
         print(f"{name:52s} {us:7.2f} us a {per}" + (f"  {entry['frac_copy']:.2f} of copy" if nbytes else ""), flush=True)
 
-    def row(name, tiles, split, stream_mb=0.0, pdl=True, prefetch=False, block=512, warps=4, atomic=False):
+    def row(name, tiles, split, stream_mb=0.0, pdl=True, prefetch=False, block=512, warps=4, atomic=False,
+            whole=False):
         """CHAIN launches of _floor_kernel on a (tiles, split) grid (`atomic`: the splits add into the output
-        instead of an arrival round)."""
+        instead of an arrival round; `whole`: each program loads its whole share before the wait, on enough warps
+        for ~64 words a thread)."""
         programs = tiles * split
         words, weights = weights_of(stream_mb, programs, block) if stream_mb else (0, [None])
+        share = max(block, triton.next_power_of_2(words)) if whole else 0
+        warps = max(warps, min(16, share // (64 * 32))) if whole else warps
         ws = torch.zeros(split * tiles, dtype=torch.float32, device=dev)
         opts = pdl_options(dev) if pdl else {"PDL": False}
 
@@ -171,7 +186,7 @@ def main():
                 w = weights[i % len(weights)]
                 _floor_kernel[(tiles, split)](bufs[i % 2], bufs[(i + 1) % 2], w if w is not None else ws, ws, cnt,
                                               words, split, BLOCK=block, STREAM=bool(stream_mb), ARRIVE=split > 1,
-                                              PREFETCH=prefetch, ATOMIC=atomic, num_warps=warps, **opts)
+                                              PREFETCH=prefetch, ATOMIC=atomic, SHARE=share, num_warps=warps, **opts)
 
         measure(name, chain, "kernel", programs, programs * words * 4)
 
@@ -205,6 +220,8 @@ def main():
             tiles = pps * sms // SPLIT
             row(f"stream {mb} MB, {pps} programs/SM, pdl", tiles, SPLIT, stream_mb=mb)
             row(f"stream {mb} MB, {pps} programs/SM, pdl, prefetch", tiles, SPLIT, stream_mb=mb, prefetch=True)
+            row(f"stream {mb} MB, {pps} programs/SM, pdl, whole share before the wait", tiles, SPLIT, stream_mb=mb,
+                whole=True)
         row(f"stream {mb} MB, 6 programs/SM, pdl, atomic add", 6 * sms // SPLIT, SPLIT, stream_mb=mb, atomic=True)
         row(f"stream {mb} MB, 6 programs/SM, no pdl", 6 * sms // SPLIT, SPLIT, stream_mb=mb, pdl=False)
     out = Path(os.environ.get("OUT", "benchmarks/results")) / "kernel_floor.json"
