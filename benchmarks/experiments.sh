@@ -6,8 +6,9 @@
 #                                                   # kernel and replay GPU tests (bit-exact replay), the graph tokens
 #                                                   # with MTP-2, then the 122B's M = 1 / M = 3 steps in ab_step
 #                                                   # (M = 1 3.572 ms before; the verify with the two buffers never
-#                                                   # timed alone), then kernel_floor.py with its new rows: each
-#                                                   # program's whole weight share loaded before the PDL wait (~7 min)
+#                                                   # timed alone) beside router-whole-k, then kernel_floor.py with its
+#                                                   # new rows: each program's whole weight share loaded before the PDL
+#                                                   # wait (~7 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -60,7 +61,7 @@ case "${1:-}" in
   next)  # b59fe7b on a GPU: the replay bit-exact, the tokens with MTP-2, then the step times (default only)
     gpu_tests 60 -m gpu tests/test_kernels.py -k "gdn_decode_pool_gpu or gdn_replay_gpu"
     gpu_tests 150 -m gpu tests/test_pooled_decode.py -k "cuda_graph_greedy and 2"
-    timeout 200 python3 benchmarks/ab_step.py --variants router-split --rounds 2 2>&1 | tail -8
+    timeout 200 python3 benchmarks/ab_step.py --variants router-whole-k --rounds 3 2>&1 | tail -10
     timeout 150 python3 benchmarks/kernel_floor.py 2>&1 | grep "stream\|wrote"
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
