@@ -146,6 +146,9 @@ class CachePool:
 
     def state_row(self, slot: int, parity: int = 0) -> int:
         """The row of `slot`'s GDN state in buffer `parity` (in every layer's recurrent pool)."""
+        if not 0 <= parity < self.state_buffers:
+            raise RuntimeError("this cache pool keeps one GDN state buffer per slot: a verify step with a rollback "
+                               "needs two (CachePool(state_buffers=2), as the engine allocates with MTP)")
         return slot * self.state_buffers + parity
 
     def acquire(self, record_steps: bool = False) -> "SlotCache":
@@ -169,7 +172,11 @@ class SlotCache(SequenceCache):
         super().__init__(record_steps)
         for layer, conv in pool.conv.items():
             self.conv[layer] = conv[slot].zero_()
-        self._point_states()
+        # each buffer's views, cut once: with MTP keep() switches buffers every verify step, where cutting a view per
+        # GDN layer (36 on the 122B) would be host time while the GPU waits
+        self._state_views = [{layer: state[pool.state_row(slot, p)] for layer, state in pool.recurrent.items()}
+                             for p in range(pool.state_buffers)]
+        self.recurrent = self._state_views[0]
         for state in self.recurrent.values():
             state.zero_()
 
@@ -180,20 +187,14 @@ class SlotCache(SequenceCache):
 
     @property
     def spare_state_row(self) -> int:
-        """The row a verify step writes its new state to (the other buffer)."""
-        if self.pool.state_buffers < 2:
-            raise RuntimeError("this cache pool keeps one GDN state buffer per slot: a verify step with a rollback "
-                               "needs two (CachePool(state_buffers=2), as the engine allocates with MTP)")
+        """The row a verify step writes its new state to (the other buffer; raises where the pool keeps one)."""
         return self.pool.state_row(self.slot, 1 - self.parity)
 
     def flip_state(self) -> None:
         """After a verify step wrote the state to the spare row: that row holds it now."""
-        self.parity = self.spare_state_row - self.slot * self.pool.state_buffers
-        self._point_states()
-
-    def _point_states(self) -> None:
-        for layer, state in self.pool.recurrent.items():
-            self.recurrent[layer] = state[self.state_row]
+        spare = 1 - self.parity
+        self.pool.state_row(self.slot, spare)  # raises where the pool keeps one buffer
+        self.parity, self.recurrent = spare, self._state_views[spare]
 
     # The KV views are cut when read, not at every step: a captured decode step never reads them, and cutting
     # two views per attention layer cost ~40 us of host time per token and sequence.

@@ -139,9 +139,7 @@ class DecodeGraphs:
 
     def _rollback_views(self, b: int, m: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Per GDN layer, [b, m-1, ...] views of the saves' storage (contiguous prefixes), grown first if too small."""
-        if self.pool.state_buffers < 2:
-            raise ValueError("a verify step with a rollback needs a cache pool with two GDN state buffers per slot "
-                             "(CachePool(state_buffers=2), as the engine allocates with MTP)")
+        self.pool.state_row(self.pool.pad_slot, 1)  # raises where the pool keeps one GDN state buffer a slot
         rows = b * (m - 1)
         if self.records is None or self.records.shape[1] < rows:
             self._reserve_saves(rows)
@@ -169,8 +167,8 @@ class DecodeGraphs:
             buffers.rollback = self._rollback_views(b, m)
             buffers.records = self.records  # a later, larger step may grow the storage: this bucket keeps its own
             if self.use_graphs and not self.replay_compiled:  # compile it now, not at the first rejected draft
-                pad = pool.state_row(pool.pad_slot)
-                self._replay(buffers, pad, pad + 1, 0, 1)  # the padding slot's rows: nothing reads them
+                # the padding slot's rows: nothing reads them
+                self._replay(buffers, pool.state_row(pool.pad_slot), pool.state_row(pool.pad_slot, 1), 0, 1)
                 self.replay_compiled = True
         return buffers
 

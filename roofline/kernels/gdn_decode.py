@@ -321,6 +321,8 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     if state_rows is not None and slots is None:
         raise ValueError("state_rows need slots (the conv windows' rows)")
     _check_step_outputs(bsz, m, conv_state, state, num_k_heads, step_records, step_conv)
+    # the conv windows' rows, then the state's read and write rows (all unread without slots: any pointer)
+    rows = (slots, *(state_rows or (slots, slots))) if slots is not None else (state,) * 3
     save_steps = step_records is not None and m > 1
     save_conv = step_conv is not None and m > 1
     kernel = conv_state.shape[1] + 1
@@ -338,8 +340,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     _gdn_decode_kernel[(nvb, hv, bsz)](
         qkv, z, b, a, conv_state, conv_weight.contiguous(),
         A_log, dt_bias, norm_weight, state, out, o_ws, cnt,
-        *((slots, *(state_rows or (slots, slots))) if slots is not None else (state, state, state)),
-        step_records if save_steps else state, step_conv if save_conv else conv_state,
+        *rows, step_records if save_steps else state, step_conv if save_conv else conv_state,
         conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_, step_record_size(num_k_heads, dk, hv, dv),
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
         CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps,
