@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 20"), as phases that each fit one 10-minute
+# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 21"), as phases that each fit one 10-minute
 # device call (session 20 on a warm H100: `first` 107 s, `mtp` 133 s, `next`'s old form 257 s with a cold start);
 # `next` first:
-#   OUT=... bash benchmarks/experiments.sh next     # session 20's explicit fma in the GDN update (b59fe7b): the GDN
-#                                                   # kernel and replay GPU tests (bit-exact replay), the graph tokens
-#                                                   # with MTP-2, then the 122B's M = 1 / M = 3 steps in ab_step
-#                                                   # (M = 1 3.572 ms before; the verify with the two buffers never
-#                                                   # timed alone) beside router-whole-k, then kernel_floor.py with its
-#                                                   # new rows: each program's whole weight share loaded before the PDL
-#                                                   # wait (~7 min)
+#   OUT=... bash benchmarks/experiments.sh next     # kernel_floor.py first (session 21's persistent pair: two
+#                                                   # dependent stages in one launch against two launches, and the
+#                                                   # whole share before the PDL wait), then session 20's explicit
+#                                                   # fma in the GDN update (b59fe7b): the GDN kernel and replay GPU
+#                                                   # tests (bit-exact replay), the graph tokens with MTP-2, then the
+#                                                   # 122B's M = 1 / M = 3 steps in ab_step beside router-whole-k
+#                                                   # (~8 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -58,11 +58,12 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout -s INT -k 15 "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  next)  # b59fe7b on a GPU: the replay bit-exact, the tokens with MTP-2, then the step times (default only)
+  next)  # the persistent-pair floor first (decides the next direction), then b59fe7b on a GPU: the replay bit-exact,
+    # the tokens with MTP-2, then the step times (default against router-whole-k)
+    timeout 170 python3 benchmarks/kernel_floor.py 2>&1 | grep "stream\|persistent\|wrote"
     gpu_tests 60 -m gpu tests/test_kernels.py -k "gdn_decode_pool_gpu or gdn_replay_gpu"
-    gpu_tests 150 -m gpu tests/test_pooled_decode.py -k "cuda_graph_greedy and 2"
+    gpu_tests 120 -m gpu tests/test_pooled_decode.py -k "cuda_graph_greedy and 2"
     timeout 200 python3 benchmarks/ab_step.py --variants router-whole-k --rounds 3 2>&1 | tail -10
-    timeout 150 python3 benchmarks/kernel_floor.py 2>&1 | grep "stream\|wrote"
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
