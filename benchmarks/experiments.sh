@@ -8,6 +8,7 @@
 #                                                   # fma in the GDN update (b59fe7b): the GDN kernel and replay GPU
 #                                                   # tests (bit-exact replay), the graph tokens with MTP-2, then the
 #                                                   # 122B's M = 1 / M = 3 steps in ab_step beside router-whole-k
+#                                                   # and depth-2 (two INT4 steps before the wait)
 #                                                   # (~8 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
@@ -63,7 +64,7 @@ case "${1:-}" in
     timeout 170 python3 benchmarks/kernel_floor.py 2>&1 | grep "stream\|persistent\|wrote"
     gpu_tests 60 -m gpu tests/test_kernels.py -k "gdn_decode_pool_gpu or gdn_replay_gpu"
     gpu_tests 120 -m gpu tests/test_pooled_decode.py -k "cuda_graph_greedy and 2"
-    timeout 200 python3 benchmarks/ab_step.py --variants router-whole-k --rounds 3 2>&1 | tail -10
+    timeout 200 python3 benchmarks/ab_step.py --variants router-whole-k,depth-2 --rounds 3 2>&1 | tail -10
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
