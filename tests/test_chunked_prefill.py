@@ -108,9 +108,11 @@ def test_the_mtp_head_is_shown_each_prompt_position_with_the_token_after_it(chec
         heads.append(seq.draft.cache)
     whole, chunked = heads
     assert whole.num_tokens == chunked.num_tokens == len(PROMPTS[0]) and whole.keys
+    # fp32, but the chunks' matmuls have other row counts than the whole prompt's, and MKL (AVX-512) sums them in
+    # another order: 2.6e-5 apart here; neighbouring positions of this cache differ by at least 2.5
     for layer in whole.keys:
-        torch.testing.assert_close(chunked.keys[layer], whole.keys[layer], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(chunked.values[layer], whole.values[layer], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(chunked.keys[layer], whole.keys[layer], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(chunked.values[layer], whole.values[layer], rtol=1e-4, atol=1e-4)
 
 
 def test_a_budget_below_one_is_refused_by_name(checkpoint):

@@ -157,4 +157,6 @@ class Int4Weight(LinearWeight):
         zero = unpack_cols(qzeros) + 1  # [..., K/g, N]
         g = self.group_size
         w = (q.unflatten(-2, (-1, g)) - zero.unsqueeze(-2)).float() * scales.float().unsqueeze(-2)
-        return w.flatten(-3, -2).transpose(-1, -2)  # [..., N, K]
+        # [..., N, K] contiguous, as dequantize_int4 (the fast path's prefill weight) writes it: F.linear then takes the
+        # same BLAS kernel on both paths and gives the same bits (MKL on AVX-512 rounds differently for a transposed view)
+        return w.flatten(-3, -2).transpose(-1, -2).contiguous()
