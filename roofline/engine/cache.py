@@ -144,11 +144,17 @@ class CachePool:
         tensors = [*self.keys.values(), *self.values.values(), *self.conv.values(), *self.recurrent.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def require_spare_state(self) -> None:
+        """Raise unless each slot has a second GDN state buffer, the one a verify step with a rollback writes to."""
+        if self.state_buffers < 2:
+            raise RuntimeError("this cache pool keeps one GDN state buffer per slot: a verify step with a rollback "
+                               "needs two (CachePool(state_buffers=2), as the engine allocates with MTP)")
+
     def state_row(self, slot: int, parity: int = 0) -> int:
         """The row of `slot`'s GDN state in buffer `parity` (in every layer's recurrent pool)."""
         if not 0 <= parity < self.state_buffers:
-            raise RuntimeError("this cache pool keeps one GDN state buffer per slot: a verify step with a rollback "
-                               "needs two (CachePool(state_buffers=2), as the engine allocates with MTP)")
+            self.require_spare_state()  # parity 1 of a one-buffer pool: the error that says why
+            raise ValueError(f"GDN state buffer {parity} of a pool with {self.state_buffers}")
         return slot * self.state_buffers + parity
 
     def acquire(self, record_steps: bool = False) -> "SlotCache":
@@ -192,9 +198,9 @@ class SlotCache(SequenceCache):
 
     def flip_state(self) -> None:
         """After a verify step wrote the state to the spare row: that row holds it now."""
-        spare = 1 - self.parity
-        self.pool.state_row(self.slot, spare)  # raises where the pool keeps one buffer
-        self.parity, self.recurrent = spare, self._state_views[spare]
+        self.pool.require_spare_state()
+        self.parity = 1 - self.parity
+        self.recurrent = self._state_views[self.parity]
 
     # The KV views are cut when read, not at every step: a captured decode step never reads them, and cutting
     # two views per attention layer cost ~40 us of host time per token and sequence.

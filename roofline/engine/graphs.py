@@ -139,7 +139,7 @@ class DecodeGraphs:
 
     def _rollback_views(self, b: int, m: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Per GDN layer, [b, m-1, ...] views of the saves' storage (contiguous prefixes), grown first if too small."""
-        self.pool.state_row(self.pool.pad_slot, 1)  # raises where the pool keeps one GDN state buffer a slot
+        self.pool.require_spare_state()
         rows = b * (m - 1)
         if self.records is None or self.records.shape[1] < rows:
             self._reserve_saves(rows)
