@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, MAX_ROWS, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, sum_splits, wait_for_inputs
-from .int4_gemv import _sm_count
+from ._common import (INTERPRET, MAX_ROWS, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, sm_count,
+                      sum_splits, wait_for_inputs)
 from .int4_tc import SUMSQ_ROWS
 from .small_ops import softmax_top_k
 
@@ -187,7 +187,7 @@ def _k_split(k: int, bk: int, programs: int, cfg: dict, device) -> tuple[int, in
     k_steps = triton.cdiv(k, bk)
     split = cfg.get("SPLIT_K")
     if not split:
-        target = int(_sm_count(device) * cfg.get("programs_per_sm", 4.0))
+        target = int(sm_count(device) * cfg.get("programs_per_sm", 4.0))
         split = max(1, min(k_steps, -(-target // programs)))
     k_per_split = triton.cdiv(k_steps, split) * bk
     return triton.cdiv(k, k_per_split), k_per_split

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from ..quant.int4 import unpack_cols, unpack_rows
-from ._common import INTERPRET, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, sum_splits, wait_for_inputs
+from ._common import (INTERPRET, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, sm_count, sum_splits,
+                      wait_for_inputs)
 
 
 def int4_matmul_reference(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128) -> torch.Tensor:
@@ -247,12 +248,6 @@ def _int4_gemv_kernel(
 MAGIC = 0x4B000000  # fp32 bits of 2^23, the dequantisation's magic number
 
 
-def _sm_count(device: torch.device) -> int:
-    if INTERPRET or device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def rows_per_step(group_size: int, want: int = 16) -> int:
     """Packed rows per loop step: a power of two <= want whose 8 * rows divides the group size."""
     rows = 1
@@ -263,7 +258,7 @@ def rows_per_step(group_size: int, want: int = 16) -> int:
 
 def pick_split(tiles: int, k_steps: int, device: torch.device, programs_per_sm: float = 4.0) -> int:
     """Split K until the grid has about `programs_per_sm` programs per SM (never more splits than K steps)."""
-    target = int(_sm_count(device) * programs_per_sm)
+    target = int(sm_count(device) * programs_per_sm)
     split = max(1, min(k_steps, -(-target // max(tiles, 1))))
     per = -(-k_steps // split)  # equal whole numbers of steps per split
     return -(-k_steps // per)

@@ -52,7 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, MAX_ROWS, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, wait_for_inputs
+from ._common import (INTERPRET, MAX_ROWS, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, sm_count,
+                      wait_for_inputs)
 
 GROUP = 128  # the path handles group size 128 (the published checkpoints); others use int4_gemv's lanes path
 SUMSQ_ROWS = tl.constexpr(MAX_ROWS)  # the row stride of int4_matmul_residual's per-tile sums of squares
@@ -473,11 +474,6 @@ def _store_tile(out_ptr, res_ptr, ss_ptr, y0, y1, o0, o1, m0, m1, tok, tile, M, 
         tl.store(out_ptr + o1, y1.to(dt), mask=m1)
 
 
-def _sm_count(device: torch.device) -> int:
-    if INTERPRET or device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
 
 def tc_supported(x: torch.Tensor, n: int, k: int, group_size: int, wn: int = 1, tensors=()) -> bool:
     """The tensor-core path: CUDA sm_80+ (or the interpreter), x bf16/fp16, group 128, N a multiple of 32*WN and 16.
@@ -570,7 +566,7 @@ def tc_geometry(n: int, k: int, cfg: dict, device, tiles_extra: int = 1) -> tupl
     steps = triton.cdiv(groups, kw)
     split = cfg.get("SPLIT_K")
     if not split:
-        target = int(_sm_count(device) * cfg.get("programs_per_sm", 4.0))
+        target = int(sm_count(device) * cfg.get("programs_per_sm", 4.0))
         split = max(1, min(steps, -(-target // max(tiles * tiles_extra, 1))))
     gps = triton.cdiv(steps, split) * kw
     split = triton.cdiv(groups, gps)
