@@ -4,12 +4,13 @@
 # `next` first:
 #   OUT=... bash benchmarks/experiments.sh next     # kernel_floor.py first (session 21's persistent pair: two
 #                                                   # dependent stages in one launch against two launches, and the
-#                                                   # whole share before the PDL wait), then session 20's explicit
+#                                                   # whole share before the PDL wait), the routed experts in one
+#                                                   # launch against two (session 22), then session 20's explicit
 #                                                   # fma in the GDN update (b59fe7b): the GDN kernel and replay GPU
 #                                                   # tests (bit-exact replay), the graph tokens with MTP-2, then the
 #                                                   # 122B's M = 1 / M = 3 steps in ab_step beside router-whole-k
 #                                                   # and depth-2 (two INT4 steps before the wait)
-#                                                   # (~8 min)
+#                                                   # (~9 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -62,7 +63,8 @@ case "${1:-}" in
   next)  # the persistent-pair floor first (decides the next direction), then b59fe7b on a GPU: the replay bit-exact,
     # the tokens with MTP-2, then the step times (default against router-whole-k)
     timeout 170 python3 benchmarks/kernel_floor.py 2>&1 | grep "stream\|persistent\|wrote"
-    gpu_tests 60 -m gpu tests/test_kernels.py -k "gdn_decode_pool_gpu or gdn_replay_gpu"
+    timeout 150 python3 benchmarks/experts_one_launch.py 2>&1 | tail -8
+    gpu_tests 90 -m gpu tests/test_kernels.py -k "gdn_decode_pool_gpu or gdn_replay_gpu or one_launch_gpu"
     gpu_tests 120 -m gpu tests/test_pooled_decode.py -k "cuda_graph_greedy and 2"
     timeout 200 python3 benchmarks/ab_step.py --variants router-whole-k,depth-2 --rounds 3 2>&1 | tail -10
     ;;
