@@ -5,11 +5,11 @@
 #   OUT=... bash benchmarks/experiments.sh next     # kernel_floor.py first (session 21's persistent pair: two
 #                                                   # dependent stages in one launch against two launches, and the
 #                                                   # whole share before the PDL wait), the routed experts in one
-#                                                   # launch against two (session 22), then session 20's explicit
-#                                                   # fma in the GDN update (b59fe7b): the GDN kernel and replay GPU
-#                                                   # tests (bit-exact replay), the graph tokens with MTP-2, then the
-#                                                   # 122B's M = 1 / M = 3 steps in ab_step beside router-whole-k
-#                                                   # and depth-2 (two INT4 steps before the wait)
+#                                                   # launch against two (session 22), the 122B's M = 1 / M = 3
+#                                                   # steps in ab_step beside experts-one-launch (that launch in the
+#                                                   # step, the MoE sum in the next norm) and router-whole-k, then
+#                                                   # the one launch's GPU tests and session 20's explicit fma in
+#                                                   # the GDN update (b59fe7b: bit-exact replay, MTP-2 graph tokens)
 #                                                   # (~9 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
@@ -60,13 +60,13 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout -s INT -k 15 "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  next)  # the persistent-pair floor first (decides the next direction), then b59fe7b on a GPU: the replay bit-exact,
-    # the tokens with MTP-2, then the step times (default against router-whole-k)
+  next)  # the persistent-pair floor first (decides the next direction), the experts' one launch alone and in the
+    # step, then the GPU tests: the one launch's tokens, b59fe7b's bit-exact replay, the tokens with MTP-2
     timeout 170 python3 benchmarks/kernel_floor.py 2>&1 | grep "stream\|persistent\|wrote"
     timeout 150 python3 benchmarks/experts_one_launch.py 2>&1 | tail -8
+    timeout 220 python3 benchmarks/ab_step.py --variants experts-one-launch,router-whole-k --rounds 3 2>&1 | tail -10
     gpu_tests 90 -m gpu tests/test_kernels.py -k "gdn_decode_pool_gpu or gdn_replay_gpu or one_launch_gpu"
-    gpu_tests 120 -m gpu tests/test_pooled_decode.py -k "cuda_graph_greedy and 2"
-    timeout 200 python3 benchmarks/ab_step.py --variants router-whole-k,depth-2 --rounds 3 2>&1 | tail -10
+    gpu_tests 120 -m gpu tests/test_fast_path.py tests/test_pooled_decode.py -k "one_launch or cuda_graph_greedy and 2"
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \

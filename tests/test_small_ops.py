@@ -137,6 +137,68 @@ def test_add_rms_norm_matches_the_layer(dtype):
 
 @runs_here
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_sum_rms_norm_rounds_as_the_experts_down_epilogue(dtype):
+    """h = residual + (routed + sigmoid(gate) * shared) rounded where experts_down's epilogue rounds (the gate a
+    strided column of the router's logits), then the next layer's input norm, in one launch."""
+    from roofline.kernels.small_ops import moe_sum_rms_norm
+
+    routed, shared, residual = (torch.randn(3, 300, device=DEVICE).to(dtype) for _ in range(3))
+    logits = torch.randn(3, 9, device=DEVICE).to(dtype)
+    w = (torch.randn(300, device=DEVICE) * 0.1).to(dtype)
+    h, normed = moe_sum_rms_norm(routed, shared, logits[:, 8:], residual, w, 1e-6)
+    gate = (1 / (1 + torch.exp(-logits[:, 8:].float()))).to(dtype)  # as the epilogue writes sigmoid
+    moe = (routed.float() + (shared.float() * gate.float()).to(dtype).float()).to(dtype)
+    if dtype == torch.float32:  # the interpreter's exp and torch's may differ in the last bit
+        torch.testing.assert_close(h, residual + moe, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(h, residual + moe)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    want = reference_norm(residual + moe, w, 1e-6)
+    assert (normed.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+
+@runs_here
+def test_engine_tokens_with_the_moe_sum_in_the_next_norm(monkeypatch, tmp_path):
+    """blocks.EXPERTS_ONE_LAUNCH: each MoE layer but the last leaves its sum with the shared expert and the residual
+    to the next layer's input norm (MoeSum): the pooled engine's greedy tokens equal the reference path's. The
+    routed experts' one launch needs 16-bit tensor-core calls, which this fp32 run has not: it stands in as the two
+    launches it equals bit for bit (tests/test_kernels.py), so what runs here is the deferred sum and its plumbing."""
+    from roofline.engine.engine import Engine
+    from roofline.engine.sampling import SamplingParams
+    from roofline.kernels import blocks, int4_experts
+    from tiny_checkpoints import INT4_PLAN, write_random_checkpoint
+
+    write_random_checkpoint(tmp_path / "m", seed=7, plan=INT4_PLAN)
+    prompts = [[5, 17, 99, 3, 250, 42, 7], [9, 8]]  # two sequences: a step of two rows
+
+    def greedy(engine):
+        seqs = [engine.add(p, SamplingParams(temperature=0.0, max_tokens=3)) for p in prompts]
+        while engine.sequences:
+            engine.step()
+        return [s.output_ids for s in seqs]
+
+    calls = []
+
+    def two_launches(x, ids, weights, gate_up, down, *, syms, configs, **_):
+        calls.append(len(x))
+        act = int4_experts.experts_gate_up(x, ids, *gate_up, 128, sym=syms[0], config=configs[0])
+        return int4_experts.experts_down(act, ids, weights, *down, 128, sym=syms[1], config=configs[1])
+
+    want = greedy(Engine.from_pretrained(str(tmp_path / "m"), device=DEVICE, dtype="float32", fast_path=False))
+    monkeypatch.setattr(dispatch, "FUSED_SMALL_OPS", True)
+    monkeypatch.setattr(blocks, "EXPERTS_ONE_LAUNCH", True)
+    monkeypatch.setattr(int4_experts, "one_launch_supported", lambda *args: True)
+    monkeypatch.setattr(int4_experts, "experts_tc_one_launch", two_launches)
+    engine = Engine.from_pretrained(str(tmp_path / "m"), device=DEVICE, dtype="float32", cuda_graphs=True,
+                                    max_num_seqs=2)
+    layers = engine.model.model.layers
+    assert [getattr(layer, "next_layer_sums", False) for layer in layers] == [True] * (len(layers) - 1) + [False]
+    assert greedy(engine) == want
+    assert calls, "no MoE layer left its sum to the next"
+
+
+@runs_here
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_of_a_strided_gate_up(dtype):
     from roofline.kernels.small_ops import silu_mul
 

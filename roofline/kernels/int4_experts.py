@@ -680,31 +680,40 @@ def _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, confi
     return out
 
 
+def one_launch_supported(x: torch.Tensor, gate_up: tuple, down: tuple, configs=(None, None)) -> bool:
+    """Whether experts_tc_one_launch runs these tokens and experts: both kernels on the tensor-core path (group 128)
+    at the same number of warps a program (one launch has one)."""
+    t, k = x.shape
+    inter, h = gate_up[0].shape[-1] // 2, down[0].shape[-1]
+    if not (_tc_path(x, inter, k, GROUP, t, configs[0], gate_up)
+            and _tc_path(x, h, inter, GROUP, t, configs[1], down, down=True)):
+        return False
+    gcfg, dcfg = _tc_expert_config(t, configs[0]), _tc_expert_config(t, configs[1], down=True)
+    return gcfg["WN"] * gcfg["KW"] == dcfg["WN"] * dcfg["KW"]
+
+
 def experts_tc_one_launch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: tuple, down: tuple, *,
                           syms: tuple[bool, bool], configs: tuple[dict | None, dict | None] = (None, None), out=None,
                           counters=None, shared=None, shared_gate=None, residual=None) -> torch.Tensor:
     """experts_down(experts_gate_up(x, ...), ...) in one launch on the tensor-core path, with the same arithmetic in
-    the same order (the same bits). gate_up / down: (qweight, qzeros, scales), group 128.
+    the same order (the same bits). gate_up / down: (qweight, qzeros, scales), group 128 (`one_launch_supported`).
 
     Why: at decode the two kernels are two steps of a chain of ~7 a layer, each paying its launch, its wait for the
     previous one and its own ramp (benchmarks/NOTES-kernels.md, session 21). Here the down programs start while
     gate_up runs: each holds a ticket taken after every gate_up ticket, issues its first weight loads, then waits only
     for the act tiles of its own K slice (a counter that gate_up's programs bump as they store them). Tickets, not
     program ids, order the items, so every producer a waiting program needs already runs: no deadlock whatever order
-    the hardware starts programs in. Not yet in the decode step: `benchmarks/experts_one_launch.py` times it against
-    the two launches first."""
+    the hardware starts programs in. In the decode step behind `blocks.EXPERTS_ONE_LAUNCH` (off until measured there);
+    `benchmarks/experts_one_launch.py` times it against the two launches alone."""
     t, k = x.shape
     topk = ids.shape[1]
     inter = gate_up[0].shape[-1] // 2
     h = down[0].shape[-1]
+    if not one_launch_supported(x, gate_up, down, configs):
+        raise ValueError(f"experts_tc_one_launch: {t} {x.dtype} tokens of [{inter}, {k}] / [{h}, {inter}] experts are "
+                         "not a tensor-core call of the same warps for both (group 128, bf16/fp16, aligned)")
     gcfg = _tc_expert_config(t, configs[0])
     dcfg = _tc_expert_config(t, configs[1], down=True)
-    if not (_tc_path(x, inter, k, GROUP, t, configs[0], gate_up) and _tc_path(x, h, inter, GROUP, t, configs[1], down,
-                                                                               down=True)):
-        raise ValueError(f"experts_tc_one_launch: {t} {x.dtype} tokens of [{inter}, {k}] / [{h}, {inter}] experts are "
-                         "not a tensor-core call (group 128, bf16/fp16, aligned)")
-    if gcfg["WN"] * gcfg["KW"] != dcfg["WN"] * dcfg["KW"]:
-        raise ValueError(f"experts_tc_one_launch: gate_up and down configs need the same warps, got {gcfg} / {dcfg}")
     extra = _extra_terms(x, t, h, shared, shared_gate, residual)
     ch = _tc_chunk(t)
     slots_all = triton.cdiv(t, ch) * ch * topk
