@@ -166,9 +166,12 @@ def test_engine_tokens_with_the_moe_sum_in_the_next_norm(monkeypatch, tmp_path):
     from roofline.engine.engine import Engine
     from roofline.engine.sampling import SamplingParams
     from roofline.kernels import blocks, int4_experts
-    from tiny_checkpoints import INT4_PLAN, write_random_checkpoint
+    from tiny_checkpoints import INT4_PLAN, reference_model, text_config, write_variant
 
-    write_random_checkpoint(tmp_path / "m", seed=7, plan=INT4_PLAN)
+    cfg = text_config(eos_token_id=255, layers=2, full_attention_interval=2)  # GDN then attention: the first leaves
+    # its MoE sum to the second
+    hf, mtp = reference_model(cfg, seed=7)
+    write_variant(hf, mtp, tmp_path / "m", cfg=cfg, plan=INT4_PLAN)
     prompts = [[5, 17, 99, 3, 250, 42, 7], [9, 8]]  # two sequences: a step of two rows
 
     def greedy(engine):
