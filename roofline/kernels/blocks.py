@@ -189,18 +189,17 @@ def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residu
         experts, weights, gate_logit = _route(moe, x, routed_norm)
         x, residual = routed_norm.normed, x
     gate_up, down = moe.experts.gate_up, moe.experts.down
-    both = ((gate_up.qweight, gate_up.qzeros, gate_up.scales), (down.qweight, down.qzeros, down.scales))
+    tensors = ((gate_up.qweight, gate_up.qzeros, gate_up.scales), (down.qweight, down.qzeros, down.scales))
     configs = (int4_config(gate_up), int4_config(down))
     if defer and residual is not None:
-        if one_launch_supported(x, *both, configs):
-            routed = experts_tc_one_launch(x, experts, weights, *both, syms=syms, configs=configs)
+        if one_launch_supported(x, *tensors, configs):
+            routed = experts_tc_one_launch(x, experts, weights, *tensors, syms=syms, configs=configs)
             return MoeSum(routed, shared_out, gate_logit, residual.contiguous(), join)
         _say_two_launches(x, gate_up)
-    act = experts_gate_up(x, experts, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size, sym=syms[0],
-                          config=int4_config(gate_up))
+    act = experts_gate_up(x, experts, *tensors[0], gate_up.group_size, sym=syms[0], config=configs[0])
     join()
-    return experts_down(act, experts, weights, down.qweight, down.qzeros, down.scales, down.group_size, sym=syms[1],
-                        config=int4_config(down), shared=shared_out, shared_gate=gate_logit,
+    return experts_down(act, experts, weights, *tensors[1], down.group_size, sym=syms[1], config=configs[1],
+                        shared=shared_out, shared_gate=gate_logit,
                         residual=None if residual is None else residual.contiguous())
 
 
