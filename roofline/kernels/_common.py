@@ -181,6 +181,14 @@ def reset(counter_ptr):
     tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
+@triton.jit
+def gated_shared(shared, gate_logit, ty: tl.constexpr):
+    """sigmoid(gate_logit) * shared in fp32, the gate and the product each rounded to `ty` as SparseMoE.forward rounds
+    them: the MoE block's shared-expert term, wherever a kernel adds it."""
+    gate = (1.0 / (1.0 + tl.exp(-gate_logit.to(tl.float32)))).to(ty).to(tl.float32)
+    return (shared.to(tl.float32) * gate).to(ty).to(tl.float32)
+
+
 # One poll of a counter after a short sleep: ld.acquire at gpu scope (what a thread reads after it sees what the
 # producers stored before their release add), no read-modify-write on the hot line.
 POLL_ASM = tl.constexpr("{ nanosleep.u32 200; ld.acquire.gpu.global.b32 $0, [$1]; }")

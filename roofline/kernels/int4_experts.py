@@ -27,7 +27,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, arrive, counters_for, next_pow2, pdl_options, reset, sum_splits, wait_for_inputs
+from ._common import (INTERPRET, arrive, counters_for, gated_shared, next_pow2, pdl_options, reset, sum_splits,
+                      wait_for_inputs)
 from .int4_gemv import (
     MAGIC,
     _launch_geometry,
@@ -207,10 +208,8 @@ def _sum_choices(ws_ptr, out_ptr, cnt, chunk, T, H, n_offs, n_mask, ARRIVALS, SP
                                 SPLIT_K, SPLITP, 2)
         ty = out_ptr.dtype.element_ty
         if SHARED:
-            g = tl.load(sg_ptr + toks * SG_STRIDE, mask=toks < T, other=0).to(tl.float32)
-            gate = (1.0 / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
-            shared = (tl.load(sh_ptr + offs, mask=tmask, other=0).to(tl.float32) * gate[:, None]).to(ty).to(tl.float32)
-            total = total.to(ty).to(tl.float32) + shared
+            g = tl.load(sg_ptr + toks * SG_STRIDE, mask=toks < T, other=0)
+            total = total.to(ty).to(tl.float32) + gated_shared(tl.load(sh_ptr + offs, mask=tmask, other=0), g[:, None], ty)
         if RESIDUAL:
             total = tl.load(res_ptr + offs, mask=tmask, other=0).to(tl.float32) + total.to(ty).to(tl.float32)
         tl.store(out_ptr + offs, total.to(ty), mask=tmask)

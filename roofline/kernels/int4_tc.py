@@ -485,7 +485,6 @@ def _store_tile(out_ptr, res_ptr, ss_ptr, y0, y1, o0, o1, m0, m1, tok, tile, M, 
         tl.store(out_ptr + o1, y1.to(dt), mask=m1)
 
 
-
 def tc_supported(x: torch.Tensor, n: int, k: int, group_size: int, wn: int = 1, tensors=()) -> bool:
     """The tensor-core path: CUDA sm_80+ (or the interpreter), x bf16/fp16, group 128, N a multiple of 32*WN and 16.
 
@@ -829,13 +828,13 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     cases += [("one launch", _one_launch_tc_kernel, one_sig,  # experts_tc_one_launch at one token and at four
                {"TOPK": 8, "TOPKP": 8, "CH": ch, "BF16": True, "EMULATE": False, "SHARED": True, "RESIDUAL": True,
                 "PDL": True, "G_WN": wn, "G_KW": 1, "D_WN": wn, "D_KW": 1, "G_SYM": True, "D_SYM": True, "G_SPLITP": 8,
-                "D_SPLITP": 2, "G_QBLK": qblk, "D_QBLK": qblk, "G_DEPTH": depth, "D_DEPTH": depth, "WN": wn, "KW": 1})
+                "D_SPLITP": 2, "G_QBLK": qblk, "D_QBLK": qblk, "G_DEPTH": depth, "D_DEPTH": depth})
               for wn, ch, qblk, depth in [(1, 1, True, 1), (2, 4, True, 2)]]
     for name, fn, sig, consts in cases:
         aligned = {a for a in sig if sig[a].startswith("*") or a in ("N", "K2", "I", "I2", "H", "QW_E", "QZ_E", "SC_E")
-                   or a[2:] in ("QW_E", "QZ_E", "SC_E") or a[1:] in ("Q_E", "Z_E", "S_E")}
-        compiled = compile_offline(fn, sig, {k: v for k, v in consts.items() if k in sig}, aligned, target_arch,
-                                   consts["WN"] * consts["KW"])
+                   or a[1:] in ("Q_E", "Z_E", "S_E")}  # the one launch's per-expert strides: GQ_E, DZ_E, ...
+        warps = consts["WN"] * consts["KW"] if "WN" in consts else consts["G_WN"] * consts["G_KW"]
+        compiled = compile_offline(fn, sig, consts, aligned, target_arch, warps)
         found = layouts(compiled.asm["ttgir"])
         problems += pdl_problems(name, compiled.asm["ptx"], prefetch=name.startswith("gemv") or name == "down")
         if name == "one launch" and not all(op in compiled.asm["ptx"] for op in ("nanosleep", "ld.acquire.gpu")):

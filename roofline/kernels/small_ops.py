@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, pdl_options, rows_in_place, wait_for_inputs
+from ._common import gated_shared, next_pow2, pdl_options, rows_in_place, wait_for_inputs
 
 
 @triton.jit
@@ -38,9 +38,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, D, eps, ADD: tl.constexp
     x = tl.load(x_ptr + row * D + d, mask=mask, other=0)
     if sh_ptr is not None:  # x: the routed experts' sum; + sigmoid(gate) * shared, rounded as experts_down's epilogue
         ty = x_ptr.dtype.element_ty
-        gate = (1.0 / (1.0 + tl.exp(-tl.load(sg_ptr + row * SG_STRIDE).to(tl.float32)))).to(ty).to(tl.float32)
-        shared = (tl.load(sh_ptr + row * D + d, mask=mask, other=0).to(tl.float32) * gate).to(ty).to(tl.float32)
-        x = (x.to(tl.float32) + shared).to(ty)
+        x = (x.to(tl.float32) + gated_shared(tl.load(sh_ptr + row * D + d, mask=mask, other=0),
+                                             tl.load(sg_ptr + row * SG_STRIDE), ty)).to(ty)
     if ADD:  # h = x + r, rounded to the model dtype as the reference's add is, then normed
         x = x + tl.load(r_ptr + row * D + d, mask=mask, other=0)
         tl.store(h_ptr + row * D + d, x, mask=mask)
