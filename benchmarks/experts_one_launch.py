@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import copy_bandwidth_gbps, median_us
+from kernels import copy_bandwidth_gbps, int4_bytes, median_us, random_int4
 from roofline.kernels.int4_experts import experts_down, experts_gate_up, experts_tc_one_launch
 from roofline.quant.int4 import block_qweight
 
@@ -29,11 +29,9 @@ EXPERTS, HIDDEN, INTER, TOP_K = 256, 3072, 1024, 8  # Qwen3.5-122B-A10B
 LAYERS, CHAIN = 6, 48
 
 
-def random_experts(n: int, k: int, blocked: bool, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stacked random GPTQ tensors (symmetric zeros, scales ~ 1/64) of EXPERTS experts [n, k]."""
-    qweight = torch.randint(-2**31, 2**31 - 1, (EXPERTS, k // 8, n), dtype=torch.int32, device=dev)
-    qzeros = torch.full((EXPERTS, k // 128, n // 8), 0x77777777, dtype=torch.int32, device=dev)
-    scales = (torch.rand(EXPERTS, k // 128, n, device=dev) / 64).to(torch.float16)
+def random_experts(n: int, k: int, blocked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.random_int4's EXPERTS experts [n, k] (symmetric), the qweight block-repacked where `blocked`."""
+    qweight, qzeros, scales = random_int4(n, k, experts=EXPERTS)
     return (block_qweight(qweight) if blocked else qweight), qzeros, scales
 
 
@@ -43,7 +41,7 @@ def main():
     results = {"copy_GBps": round(copy, 1), "chain": CHAIN, "layers": LAYERS, "rows": []}
     for t, blocked in ((1, True), (3, False)):
         cfg = {"qblk": True} if blocked else None
-        layers = [(random_experts(2 * INTER, HIDDEN, blocked, dev), random_experts(HIDDEN, INTER, blocked, dev))
+        layers = [(random_experts(2 * INTER, HIDDEN, blocked), random_experts(HIDDEN, INTER, blocked))
                   for _ in range(LAYERS)]
         gen = torch.Generator(device="cpu").manual_seed(t)
         routes = [torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(t)]).to(dev)
@@ -67,7 +65,7 @@ def main():
 
         same = all(torch.equal(two_launches(i).clone(), one_launch(i)) for i in range(LAYERS))
         distinct = sum(len(torch.unique(r)) for r in routes) / CHAIN
-        nbytes = distinct * sum(w[0].numel() * 4 + w[1].numel() * 4 + w[2].numel() * 2 for w in layers[0]) / EXPERTS
+        nbytes = distinct * (int4_bytes(2 * INTER, HIDDEN) + int4_bytes(HIDDEN, INTER))  # qzeros unread (symmetric)
         for name, fn in (("two launches", two_launches), ("one launch", one_launch)):
             try:
                 us = median_us(lambda: [fn(i) for i in range(CHAIN)], rep_ms=50) / CHAIN
