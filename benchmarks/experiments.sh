@@ -11,6 +11,10 @@
 #                                                   # the one launch's GPU tests and session 20's explicit fma in
 #                                                   # the GDN update (b59fe7b: bit-exact replay, MTP-2 graph tokens)
 #                                                   # (~9 min)
+#   OUT=... bash benchmarks/experiments.sh one-launch  # `next` less the floor rows, router-whole-k and the GDN
+#                                                   # checks: whether the experts' one launch is faster, alone and in
+#                                                   # the step, and its GPU tests, for a call with little device time
+#                                                   # left (~5 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -68,6 +72,11 @@ case "${1:-}" in
     gpu_tests 90 -m gpu tests/test_kernels.py -k "gdn_decode_pool_gpu or gdn_replay_gpu or one_launch_gpu"
     gpu_tests 120 -m gpu tests/test_fast_path.py tests/test_pooled_decode.py -k "one_launch or cuda_graph_greedy and 2"
     ;;
+  one-launch)  # session 22's question alone: the one launch's bits and time against two launches, then in the step
+    timeout 150 python3 benchmarks/experts_one_launch.py 2>&1 | tail -8
+    timeout 170 python3 benchmarks/ab_step.py --variants experts-one-launch --rounds 3 2>&1 | tail -10
+    gpu_tests 90 -m gpu tests/test_kernels.py tests/test_fast_path.py -k "one_launch"
+    ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
       --capacity "$(capacity)" --engine-tokens 256 --batch-decode 0 --profile --out "$OUT/$day-synthetic-qwen3.5-122b-a10b.json" 2>&1 \
@@ -111,7 +120,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|mtp|shapes|tests|kernels|attn|floor|ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|one-launch|first|mtp|shapes|tests|kernels|attn|floor|ab|ab-order" >&2
     exit 2
     ;;
 esac
