@@ -14,7 +14,8 @@
 #   OUT=... bash benchmarks/experiments.sh one-launch  # `next` less the floor rows, router-whole-k and the GDN
 #                                                   # checks: whether the experts' one launch is faster, alone and in
 #                                                   # the step, and its GPU tests, for a call with little device time
-#                                                   # left (~5 min)
+#                                                   # left; then session 23's fused sampling draw, timed against
+#                                                   # PyTorch's filters and its GPU test (~6 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -76,6 +77,8 @@ case "${1:-}" in
     timeout 150 python3 benchmarks/experts_one_launch.py 2>&1 | tail -8
     timeout 170 python3 benchmarks/ab_step.py --variants experts-one-launch --rounds 3 2>&1 | tail -10
     gpu_tests 90 -m gpu tests/test_kernels.py tests/test_fast_path.py -k "one_launch"
+    timeout 60 python3 benchmarks/sampling.py 2>&1 | tail -10
+    gpu_tests 40 -m gpu tests/test_sampling.py
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \

@@ -138,6 +138,29 @@ def test_drawing_among_candidates_draws_what_the_whole_vocabulary_draws():
     assert 1 <= kept[0] <= 20 and 1 <= kept[1] <= 40 and torch.allclose(probs.sum(-1), torch.ones(2))
 
 
+def test_the_fused_draw_draws_what_the_pytorch_filters_draw(monkeypatch):
+    """kernels/sample_draw.py (ROOFLINE_FUSED_SAMPLING, Triton's interpreter here) against the PyTorch filters and
+    draw with the same generator states: the same token for rows of every filter (temperature, top_k with ties at
+    the k-th score, top_p, min_p), 40 seeds each. A mutated filter (top_p ignored) fails it."""
+    pytest.importorskip("triton")
+    from roofline.engine import sampling
+
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(7)) * 2
+    logits[3, 200:206] = logits[3].max() + 0.5  # six ties at the top: top_k 3 keeps all six
+    params = [SamplingParams(temperature=0.6, top_k=20, top_p=0.95), SamplingParams(temperature=1.0, top_k=40, min_p=0.05),
+              SamplingParams(temperature=1.3, top_k=50, top_p=0.7, min_p=0.01), SamplingParams(temperature=0.8, top_k=3)]
+
+    def tokens(fused, seeds):
+        monkeypatch.setattr(sampling, "FUSED_SAMPLING", fused)
+        monkeypatch.setattr(sampling, "FUSED_SAMPLING_DEVICES", ("cpu",))
+        return sample(logits, params, [make_generator(s) for s in seeds]).token_ids.tolist()
+
+    draws = [tokens(True, range(seed, seed + 4)) for seed in range(0, 160, 4)]
+    assert draws == [tokens(False, range(seed, seed + 4)) for seed in range(0, 160, 4)]
+    assert {row[3] for row in draws} <= set(range(200, 206)) and len({row[3] for row in draws}) > 1
+    assert all(len({row[i] for row in draws}) > 1 for i in range(3))  # each row really samples
+
+
 def test_temperature_scales_before_the_filters():
     logits = torch.tensor([[2.0, 1.0, 0.0]])
     # Ratios to the top: exp(-1/T) and exp(-2/T), against min_p = 0.3.
@@ -277,5 +300,31 @@ def test_sampling_does_not_drain_the_device_queue_gpu():
         sampler.sample(logits, params, None, [0] * 3, generators)
         sampler.sample(logits[:1], params[:1], None, [0], generators[:1])  # one sampled stream: no row gather
         sampler.probabilities(logits, params, None, [0] * 3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_the_fused_draw_on_the_gpu(monkeypatch):
+    """The fused draw at the 122B's vocabulary on the GPU: the PyTorch filters' tokens for Qwen3.5's sampling defaults
+    and min_p over 32 seeds, and no call that waits for the device queue."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from roofline.engine import sampling
+
+    logits = torch.randn(3, 248320, device="cuda") * 3
+    params = [SamplingParams(temperature=0.6, top_k=20, top_p=0.95), SamplingParams(temperature=0.7, top_k=20, top_p=0.8),
+              SamplingParams(temperature=1.0, top_k=40, min_p=0.05)]
+
+    def tokens(fused):
+        monkeypatch.setattr(sampling, "FUSED_SAMPLING", fused)
+        return [sample(logits, params, [make_generator(seed + i, "cuda") for i in range(3)]).token_ids.tolist()
+                for seed in range(0, 96, 3)]
+
+    assert tokens(False) == tokens(True)  # the fused draw stays on for the check below
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sample(logits, params, [make_generator(i, "cuda") for i in range(3)])
     finally:
         torch.cuda.set_sync_debug_mode("default")

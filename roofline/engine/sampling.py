@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -19,6 +20,11 @@ import torch
 _GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # Below this temperature, logits / T overflows fp32 long before it differs from argmax (as vLLM).
 _GREEDY_TEMPERATURE = 1e-5
+# A sampled row with a top_k drawn in one launch after its top-k (kernels/sample_draw.py) instead of ~20 PyTorch
+# kernels: off until a GPU measures it (benchmarks/sampling.py); the devices it runs on (tests add "cpu", where
+# Triton's interpreter runs it).
+FUSED_SAMPLING = os.environ.get("ROOFLINE_FUSED_SAMPLING", "0") == "1"
+FUSED_SAMPLING_DEVICES = ("cuda",)
 
 
 @dataclass
@@ -214,6 +220,13 @@ def _apply_penalties(logits, params_list, token_histories, prompt_lens) -> torch
 TIE_CANDIDATES = 64
 
 
+def _candidates(params_list, vocab: int) -> int | None:
+    """How many of each row's largest scores the filters need (largest top_k + TIE_CANDIDATES), or None where some
+    row has no top_k (or the count reaches the vocabulary) and the filters read the whole vocabulary."""
+    count = max(p.top_k if 0 < p.top_k < vocab else vocab for p in params_list) + TIE_CANDIDATES
+    return count if count < vocab else None
+
+
 def _filter(scores, params_list) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Temperature, then top_k / top_p, then min_p: (scores, ids), -inf where a token is dropped. Where every row has
     a top_k (Qwen3.5 recommends 20), only the top largest_k + TIE_CANDIDATES scores are ordered (topk, on the raw
@@ -229,8 +242,9 @@ def _filter(scores, params_list) -> tuple[torch.Tensor, torch.Tensor | None]:
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params_list]
     top_p = [p.top_p for p in params_list]
     ids = None
-    if max(top_k) + TIE_CANDIDATES < vocab:
-        values, ids = scores.topk(max(top_k) + TIE_CANDIDATES, dim=-1)  # descending; the rest is masked below anyway
+    candidates = _candidates(params_list, vocab)
+    if candidates is not None:
+        values, ids = scores.topk(candidates, dim=-1)  # descending; the rest is masked below anyway
         ids = ids.flip(-1)
         scores = _top_k_top_p(values.flip(-1) / temperature, per_row(top_k, torch.long), per_row(top_p))
     else:
@@ -257,7 +271,17 @@ def _filtered_probs(scores, params_list) -> torch.Tensor:
 
 def _draw_filtered(scores, params_list, generators) -> torch.Tensor:
     """One token per row from the filtered distribution. Over the candidates where the filters took them: the
-    softmax, the division by the noise and the argmax then read C scores a row, not the vocabulary."""
+    softmax, the division by the noise and the argmax then read C scores a row, not the vocabulary; on CUDA with
+    FUSED_SAMPLING, the top-k and then one launch for the rest (kernels/sample_draw.py)."""
+    candidates = _candidates(params_list, scores.shape[-1])
+    if candidates is not None and FUSED_SAMPLING and scores.device.type in FUSED_SAMPLING_DEVICES:
+        from ..kernels.sample_draw import draw_candidates
+
+        values, ids = scores.topk(candidates, dim=-1)
+        packed = [[p.temperature, p.top_k, p.top_p, math.log(p.min_p) if p.min_p > 0 else -math.inf]
+                  for p in params_list]
+        noise = exponential_noise(len(params_list), scores.shape[-1], generators, scores.device)
+        return draw_candidates(values, ids, noise, device_tensor(packed, scores.device, torch.float32))
     kept, ids = _filter(scores, params_list)
     probs = torch.softmax(kept, dim=-1)
     if ids is None:
@@ -272,12 +296,18 @@ def draw(probs, generators, ids=None, vocab: int | None = None) -> torch.Tensor:
     filtered over candidates or over the vocabulary."""
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i,
     # one batched argmax instead of a multinomial per row. The clamp keeps 0/0 out.
-    noise = torch.empty(probs.shape[0], probs.shape[1] if ids is None else vocab, dtype=probs.dtype, device=probs.device)
-    for row, generator in enumerate(generators):
-        noise[row].exponential_(generator=generator)
+    noise = exponential_noise(probs.shape[0], probs.shape[1] if ids is None else vocab, generators, probs.device)
     if ids is not None:
         noise = noise.gather(1, ids)
     return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+def exponential_noise(rows: int, vocab: int, generators, device) -> torch.Tensor:
+    """[rows, vocab] fp32 Exp(1) noise, row i drawn with generators[i] (None: torch's global generator)."""
+    noise = torch.empty(rows, vocab, dtype=torch.float32, device=device)
+    for row, generator in enumerate(generators):
+        noise[row].exponential_(generator=generator)
+    return noise
 
 
 def _top_k_top_p(ordered, top_k, top_p) -> torch.Tensor:

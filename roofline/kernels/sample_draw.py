@@ -1,0 +1,70 @@
+"""One launch for a sampled token's filters and draw over each row's top candidates.
+
+engine/sampling.py samples a row that has a top_k (Qwen3.5's generation_config asks for 20) from its
+largest top_k + TIE_CANDIDATES scores. In PyTorch what follows the top-k is ~20 small kernels a token
+(flips, the temperature, the k-th score's gather and mask, two softmaxes, the cumulative sum and its
+mask, min_p, the noise's gather, clamp, division and argmax, three host-to-device copies of per-row
+parameters), each a launch of a few microseconds on the decode step's critical path. Here they are one
+program per row, in the same order and on the same values: the candidates ascending, temperature, top_k
+(ties with the k-th kept), top_p (the ascending cumulative probability <= 1 - top_p dropped, the most
+likely token always kept), min_p, the softmax and the exponential race against the same noise
+(`sampling.exponential_noise`: one Exp(1) per vocabulary token, gathered at the candidates' ids).
+The sums run in another order than PyTorch's, so a row whose cumulative probability lands within
+rounding of 1 - top_p may keep one token more or less.
+
+Off by default until a GPU measures it (`ROOFLINE_FUSED_SAMPLING=1`; benchmarks/sampling.py times both).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import next_pow2
+
+# Per-row parameters, packed so that one host-to-device copy carries them: temperature, top_k, top_p, log(min_p)
+# (-inf without min_p). top_k as fp32 is exact below 2^24.
+PARAMS = 4
+
+
+@triton.jit
+def _draw_candidates_kernel(vals_ptr, ids_ptr, noise_ptr, params_ptr, out_ptr, C, NOISE_STRIDE, BC: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BC)  # ascending: position j holds the (BC - 1 - j)-th largest candidate, padding first
+    desc = BC - 1 - j
+    valid = desc < C
+    s = tl.load(vals_ptr + row * C + desc, mask=valid, other=float("-inf"))
+    temperature = tl.load(params_ptr + row * 4)
+    top_k = tl.load(params_ptr + row * 4 + 1).to(tl.int32)
+    top_p = tl.load(params_ptr + row * 4 + 2)
+    log_min_p = tl.load(params_ptr + row * 4 + 3)
+    s = s / temperature
+    kth = tl.sum(tl.where(j == BC - top_k, s, 0.0), axis=0)  # the k-th largest (top_k <= C: always a candidate)
+    s = tl.where(s < kth, float("-inf"), s)
+    e = tl.exp(s - tl.max(s, axis=0))
+    cumulative = tl.cumsum(e / tl.sum(e, axis=0), axis=0)
+    s = tl.where((cumulative <= 1 - top_p) & (j != BC - 1), float("-inf"), s)  # the most likely token always stays
+    # min_p: p_i < min_p * p_max  <=>  s_i < s_max + log(min_p)
+    s = tl.where(s < tl.max(s, axis=0) + log_min_p, float("-inf"), s)
+    e = tl.exp(s - tl.max(s, axis=0))
+    probs = e / tl.sum(e, axis=0)
+    ids = tl.load(ids_ptr + row * C + desc, mask=valid, other=0)
+    noise = tl.load(noise_ptr + row * NOISE_STRIDE + ids, mask=valid, other=1.0)
+    race = tl.where(valid, probs / tl.maximum(noise, 1.1754943508222875e-38), -1.0)  # the clamp: no 0/0
+    pick = tl.argmax(race, axis=0, tie_break_left=True)
+    tl.store(out_ptr + row, tl.load(ids_ptr + row * C + (BC - 1 - pick)))
+
+
+def draw_candidates(values: torch.Tensor, ids: torch.Tensor, noise: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """One token id per row. values / ids [B, C]: each row's C largest raw scores in descending order (topk) and
+    their token ids; noise [B, V] fp32: the rows' Exp(1) noise over the vocabulary; params [B, PARAMS] fp32
+    (temperature, top_k <= C, top_p, log(min_p) or -inf)."""
+    rows, c = values.shape
+    if values.dtype != torch.float32 or noise.dtype != torch.float32 or params.shape != (rows, PARAMS):
+        raise ValueError(f"draw_candidates: fp32 values and noise and [{rows}, {PARAMS}] params expected, got "
+                         f"{values.dtype} / {noise.dtype} / {tuple(params.shape)}")
+    out = torch.empty(rows, dtype=torch.long, device=values.device)
+    _draw_candidates_kernel[(rows,)](values.contiguous(), ids.contiguous(), noise, params.contiguous(), out, c,
+                                     noise.stride(0), BC=next_pow2(c))
+    return out
