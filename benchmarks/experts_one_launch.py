@@ -15,13 +15,9 @@ bandwidth on the expert bytes read. Both forms' outputs are compared bit for bit
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import torch
 
-from kernels import copy_bandwidth_gbps, int4_bytes, median_us, random_int4
+from kernels import copy_bandwidth_gbps, int4_bytes, median_us, random_int4, write_result
 from roofline.kernels.int4_experts import experts_down, experts_gate_up, experts_tc_one_launch
 from roofline.quant.int4 import block_qweight
 
@@ -80,10 +76,7 @@ def main():
                   f"  (same bits as two launches: {same})", flush=True)
         del layers
         torch.cuda.empty_cache()
-    out = Path(os.environ.get("OUT", "benchmarks/results")) / "experts_one_launch.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print("wrote", out)
+    write_result("experts_one_launch", results)
 
 
 if __name__ == "__main__":

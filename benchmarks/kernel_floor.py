@@ -34,15 +34,11 @@ Per row: microseconds per kernel (median of graph replays / 48) and, for `stream
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels import copy_bandwidth_gbps, median_us
+from kernels import copy_bandwidth_gbps, median_us, write_result
 from l2_chain import prefetch_l2
 from roofline.kernels._common import arrive, pdl_options, poll, reset, sum_splits, wait_for_inputs
 
@@ -286,9 +282,7 @@ def main():
                 whole=True)
         row(f"stream {mb} MB, 6 programs/SM, pdl, atomic add", 6 * sms // SPLIT, SPLIT, stream_mb=mb, atomic=True)
         row(f"stream {mb} MB, 6 programs/SM, no pdl", 6 * sms // SPLIT, SPLIT, stream_mb=mb, pdl=False)
-    out = Path(os.environ.get("OUT", "benchmarks/results")) / "kernel_floor.json"
-    out.write_text(json.dumps(results, indent=1))
-    print("wrote", out)
+    write_result("kernel_floor", results)
 
 
 if __name__ == "__main__":

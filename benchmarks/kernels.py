@@ -40,6 +40,15 @@ L2_BYTES = 60e6
 TARGETS = {"int8_lm_head": 0.85, "experts_gate_up": 0.75, "experts_down": 0.75}
 
 
+def write_result(name: str, result: dict) -> Path:
+    """An experiment's JSON as $OUT/name.json (a device call's folder), else benchmarks/results/name.json."""
+    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print("wrote", out)
+    return out
+
+
 def median_us(fn, rep_ms: int = 10) -> float:
     from triton.testing import do_bench_cudagraph
 

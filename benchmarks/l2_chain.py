@@ -14,15 +14,11 @@ prefetch.global.L2 beside; and the chain with one weight set repeated (all in L2
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels import copy_bandwidth_gbps, int4_bytes, median_us, random_int4
+from kernels import copy_bandwidth_gbps, int4_bytes, median_us, random_int4, write_result
 
 
 @triton.jit
@@ -116,9 +112,7 @@ def main():
         t = median_us(lambda: _read_kernel[(programs,)](qw, qw.numel(), sink, BLOCK=4096, num_warps=4), rep_ms=20)
         results["variants"][f"reader alone x{programs} (in_proj, L2-warm)"] = {"us": round(t, 2)}
         print(f"reader alone x{programs}: {t:.2f} us for {qw.numel() * 4 / 1e6:.1f} MB (L2-warm)", flush=True)
-    out = Path(os.environ.get("OUT", "benchmarks/results")) / "l2_chain.json"
-    out.write_text(json.dumps(results, indent=1))
-    print("wrote", out)
+    write_result("l2_chain", results)
 
 
 if __name__ == "__main__":

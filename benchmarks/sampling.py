@@ -12,15 +12,13 @@ row of the 122B's vocabulary (whichever of the host's enqueueing and the GPU's d
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from kernels import write_result
 from roofline.bench.environment import environment
 from roofline.engine import sampling
 from roofline.engine.sampling import Sampler, SamplingParams, make_generator
@@ -72,10 +70,7 @@ def main():
             print(f"{name:42s} {'fused' if fused else 'pytorch':8s} {wall_us:7.1f} us a token back to back, "
                   f"{row['kernels_per_token']:5.1f} kernels ({row['kernel_us_per_token']:6.1f} us of kernel time)"
                   f"  same tokens: {same}", flush=True)
-    out = Path(os.environ.get("OUT", "benchmarks/results")) / "sampling.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print("wrote", out)
+    write_result("sampling", result)
 
 
 if __name__ == "__main__":

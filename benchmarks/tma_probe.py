@@ -15,16 +15,12 @@ benchmarks/kernels.py (graph replays, median).
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels import Rotor, copy_bandwidth_gbps, median_us
+from kernels import Rotor, copy_bandwidth_gbps, median_us, write_result
 
 
 @triton.jit
@@ -98,8 +94,7 @@ def main():
                             d, rps, sink, BR=br, BC=bc, STAGES=stages, num_warps=4), descs))
     result = {"copy_GBps": round(copy, 1), "copy_ways": ways, "bytes": nbytes, "shape": f"qweight [{kp}, {n}] int32",
               "rows": rows}
-    out = Path(os.environ.get("OUT", "benchmarks/results")) / "tma_probe.json"
-    out.write_text(json.dumps(result, indent=1))
+    write_result("tma_probe", result)
     best = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])[:8]
     print("best:", *(f"{r['variant']} {r['us']} us {r['frac_copy']}" for r in best), sep="\n  ")
 
