@@ -38,8 +38,6 @@ VARIANTS = {
     "router-whole-k": ("roofline.kernels.blocks.ROUTER_FEW_ROWS_CONFIG={BN: 1, BK: 4096, num_warps: 2, SPLIT_K: 1}",
                        [("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG",
                          {"BN": 1, "BK": 4096, "num_warps": 2, "SPLIT_K": 1})]),
-    # session 22: the routed experts' gate_up and down in one launch, the MoE sum in the next layer's input norm
-    "experts-one-launch": ("ROOFLINE_EXPERTS_ONE_LAUNCH=1", [("roofline.kernels.blocks", "EXPERTS_ONE_LAUNCH", True)]),
     "int4-split-verify": ("roofline.kernels.int4_tc.NO_SPLIT_MAX_ROWS=1",
                           [("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 1)]),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),

@@ -4,18 +4,10 @@
 # `next` first:
 #   OUT=... bash benchmarks/experiments.sh next     # kernel_floor.py first (session 21's persistent pair: two
 #                                                   # dependent stages in one launch against two launches, and the
-#                                                   # whole share before the PDL wait), the routed experts in one
-#                                                   # launch against two (session 22), the 122B's M = 1 / M = 3
-#                                                   # steps in ab_step beside experts-one-launch (that launch in the
-#                                                   # step, the MoE sum in the next norm) and router-whole-k, then
-#                                                   # the one launch's GPU tests and session 20's explicit fma in
-#                                                   # the GDN update (b59fe7b: bit-exact replay, MTP-2 graph tokens)
-#                                                   # (~9 min)
-#   OUT=... bash benchmarks/experiments.sh one-launch  # `next` less the floor rows, router-whole-k and the GDN
-#                                                   # checks: whether the experts' one launch is faster, alone and in
-#                                                   # the step, and its GPU tests, for a call with little device time
-#                                                   # left; then session 23's fused sampling draw, timed against
-#                                                   # PyTorch's filters and its GPU test (~6 min)
+#                                                   # whole share before the PDL wait), the 122B's M = 1 / M = 3
+#                                                   # steps in ab_step beside router-whole-k, then benchmarks/
+#                                                   # sampling.py (session 23's fused draw against PyTorch's
+#                                                   # filters, the sampler's kernels) (~7 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -65,20 +57,11 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout -s INT -k 15 "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  next)  # the persistent-pair floor first (decides the next direction), the experts' one launch alone and in the
-    # step, then the GPU tests: the one launch's tokens, b59fe7b's bit-exact replay, the tokens with MTP-2
+  next)  # the persistent-pair floor first (decides whether a persistent kernel is worth building), router-whole-k in
+    # the step, then the sampling draw after the top-k and what the sampler's kernels cost
     timeout 170 python3 benchmarks/kernel_floor.py 2>&1 | grep "stream\|persistent\|wrote"
-    timeout 150 python3 benchmarks/experts_one_launch.py 2>&1 | tail -8
-    timeout 220 python3 benchmarks/ab_step.py --variants experts-one-launch,router-whole-k --rounds 3 2>&1 | tail -10
-    gpu_tests 90 -m gpu tests/test_kernels.py -k "gdn_decode_pool_gpu or gdn_replay_gpu or one_launch_gpu"
-    gpu_tests 120 -m gpu tests/test_fast_path.py tests/test_pooled_decode.py -k "one_launch or cuda_graph_greedy and 2"
-    ;;
-  one-launch)  # session 22's question alone: the one launch's bits and time against two launches, then in the step
-    timeout 150 python3 benchmarks/experts_one_launch.py 2>&1 | tail -8
-    timeout 170 python3 benchmarks/ab_step.py --variants experts-one-launch --rounds 3 2>&1 | tail -10
-    gpu_tests 90 -m gpu tests/test_kernels.py tests/test_fast_path.py -k "one_launch"
+    timeout 170 python3 benchmarks/ab_step.py --variants router-whole-k --rounds 3 2>&1 | tail -10
     timeout 60 python3 benchmarks/sampling.py 2>&1 | tail -10
-    gpu_tests 40 -m gpu tests/test_sampling.py
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
@@ -123,7 +106,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|one-launch|first|mtp|shapes|tests|kernels|attn|floor|ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|mtp|shapes|tests|kernels|attn|floor|ab|ab-order" >&2
     exit 2
     ;;
 esac

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from kernels import copy_bandwidth_gbps, median_us, write_result
 from l2_chain import prefetch_l2
-from roofline.kernels._common import arrive, pdl_options, poll, reset, sum_splits, wait_for_inputs
+from roofline.kernels._common import arrive, pdl_options, reset, sum_splits, wait_for_inputs
 
 CHAIN = 48
 SPLIT = 8  # K splits per column tile in the arrive / stream rows, as the GEMVs' ~6-8
@@ -135,6 +135,18 @@ def _fused_pair_kernel(in_ptr, mid_ptr, out_ptr, wa_ptr, wb_ptr, sync_ptr, WORDS
         reset(sync_ptr + 2)
 
 
+# One poll of a counter after a short sleep: ld.acquire at gpu scope (the data read after it sees what the producers
+# stored before their release add), no read-modify-write on the hot line.
+POLL_ASM = tl.constexpr("{ nanosleep.u32 200; ld.acquire.gpu.global.b32 $0, [$1]; }")
+
+
+@triton.jit
+def _poll(ptr):
+    got = tl.inline_asm_elementwise(POLL_ASM, "=r,l", [ptr + tl.zeros([1], dtype=tl.int32)], dtype=tl.int32,
+                                    is_pure=False, pack=1)
+    return tl.max(got, 0)
+
+
 @triton.jit
 def _persistent_pair_kernel(in_ptr, mid_ptr, out_ptr, wa_ptr, wb_ptr, sync_ptr, WORDS, ITEMS, GROUP,
                             SHARE: tl.constexpr, PDL: tl.constexpr):
@@ -158,9 +170,9 @@ def _persistent_pair_kernel(in_ptr, mid_ptr, out_ptr, wa_ptr, wb_ptr, sync_ptr, 
     share = tl.load(wb_ptr + base + words, mask=wmask, other=0)  # before B's dependency is met
     src = (item * 7 + 3) % groups  # a group other than its own, where there are several
     need = tl.minimum(GROUP, ITEMS - src * GROUP)
-    done = poll(sync_ptr + 32 * src)
+    done = _poll(sync_ptr + 32 * src)
     while done < need:
-        done = poll(sync_ptr + 32 * src)
+        done = _poll(sync_ptr + 32 * src)
     x = tl.load(mid_ptr + src * GROUP + item % need, cache_modifier=".cg")
     tl.store(out_ptr + item % 64, (tl.reduce(share, 0, _xor) ^ x) & 1)
     finish = sync_ptr + 32 * groups

@@ -86,17 +86,3 @@ def test_block_repacked_int4_gives_the_same_tokens(hybrid, monkeypatch):
     blocked = Engine.from_pretrained(str(hybrid), device="cuda", dtype="bfloat16")
     assert any(getattr(m, "blocked", False) for m in blocked.model.modules()), "nothing was block-repacked"
     assert greedy(blocked) == greedy(plain)
-
-
-def test_experts_one_launch_gives_the_same_tokens(hybrid, monkeypatch):
-    """blocks.EXPERTS_ONE_LAUNCH (the routed experts in one launch, the MoE sum in the next layer's input norm): the
-    same arithmetic in the same order, so the same greedy tokens in bfloat16 as the default path; and it ran."""
-    from roofline.kernels import blocks, int4_experts
-
-    default = greedy(Engine.from_pretrained(str(hybrid), device="cuda", dtype="bfloat16"))
-    calls = []
-    one_launch = int4_experts.experts_tc_one_launch
-    monkeypatch.setattr(int4_experts, "experts_tc_one_launch", lambda *a, **k: calls.append(1) or one_launch(*a, **k))
-    monkeypatch.setattr(blocks, "EXPERTS_ONE_LAUNCH", True)
-    assert greedy(Engine.from_pretrained(str(hybrid), device="cuda", dtype="bfloat16")) == default
-    assert calls, "no MoE layer ran its routed experts in one launch"

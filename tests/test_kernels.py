@@ -335,64 +335,6 @@ def test_experts_tc_interpreter(t, config):
     check_experts(t, 6, 256, 128, 3, 128, torch.float16, "cpu", config, tol=2e-3)
 
 
-def check_one_launch(t, experts, hidden, inter, topk, dtype, device, configs=(None, None), two_launches=True):
-    """experts_tc_one_launch against the reference and (`two_launches`) the two launches it replaces (the same
-    bits), the MoE block's extra terms included; every counter back at zero after (the ticket, the splits, the
-    slices' ready and used counts)."""
-    from roofline.kernels.int4_experts import experts_tc_one_launch
-
-    torch.manual_seed(t * 11 + inter)
-    gate_up = random_int4(2 * inter, hidden, 128, False, device, experts)
-    down = random_int4(hidden, inter, 128, True, device, experts)
-    x = torch.randn(t, hidden, device=device).to(dtype)
-    ids = torch.stack([torch.randperm(experts, device=device)[:topk] for _ in range(t)])
-    if t >= 3:
-        ids[1] = ids[0].flip(0)  # tokens sharing experts: the owner slot gathers them
-    weights = torch.softmax(torch.randn(t, topk, device=device), -1).to(dtype)
-    logits = torch.randn(t, experts + 1, device=device).to(dtype)
-    terms = {"shared": torch.randn(t, hidden, device=device).to(dtype), "shared_gate": logits[:, experts:],
-             "residual": torch.randn(t, hidden, device=device).to(dtype)}
-    out = experts_tc_one_launch(x, ids, weights, gate_up, down, syms=(False, True), configs=configs,
-                                out=nan_like(torch.empty(t, hidden, dtype=dtype, device=device)), **terms)
-    if two_launches:
-        act = experts_gate_up(x, ids, *gate_up, 128, sym=False, config={"tc": True, **(configs[0] or {})})
-        two = experts_down(act, ids, weights, *down, 128, sym=True, config={"tc": True, **(configs[1] or {})}, **terms)
-        assert torch.equal(out, two)
-    want = experts_down_reference(experts_gate_up_reference(x, ids, *gate_up, 128), ids, weights, *down, 128)
-    want = terms["residual"] + (want + terms["shared"] * torch.sigmoid(terms["shared_gate"]))
-    assert rel_err(out, want) < 2e-3
-    assert_counters_zero()
-
-
-@cpu
-@pytest.mark.parametrize("t,configs", [
-    (1, ({"SPLIT_K": 2}, {"SPLIT_K": 2})),  # act stored by the last of gate_up's K splits; down's K slices of 2
-    # groups and 1 (the last short)
-    (3, ({"SPLIT_K": 1, "depth": 1}, {"SPLIT_K": 2})),  # stored by the only program of its tile; tokens sharing
-    # experts, the one-buffer loop
-])
-def test_experts_one_launch_interpreter(t, configs):
-    """The routed gate_up and down in one launch (fp16, asm emulated); the two launches' bits at one token (each
-    emulated launch takes ~10 s: the GPU test compares every case)."""
-    check_one_launch(t, 4, 256, 384, 2, torch.float16, "cpu", configs, two_launches=t == 1)
-
-
-def test_experts_one_launch_refuses_what_the_tensor_cores_cannot_run():
-    from roofline.kernels.int4_experts import experts_tc_one_launch
-
-    gate_up, down = random_int4(2 * 64, 64, 16, True, "cpu", 4), random_int4(64, 64, 16, True, "cpu", 4)
-    x = torch.randn(1, 64, dtype=torch.float16)
-    with pytest.raises(ValueError, match="not a tensor-core call"):
-        experts_tc_one_launch(x, torch.tensor([[0, 1]]), torch.ones(1, 2, dtype=torch.float16), gate_up, down,
-                              syms=(True, True))
-
-
-@gpu
-@pytest.mark.parametrize("t", [1, 3, 4])
-def test_experts_one_launch_gpu(t):
-    check_one_launch(t, 256, 3072, 1024, 8, torch.bfloat16, GPU)
-
-
 @gpu
 @pytest.mark.parametrize("tc", [False, True])
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 12])

@@ -182,47 +182,6 @@ def reset(counter_ptr):
 
 
 @triton.jit
-def gated_shared(shared, gate_logit, ty: tl.constexpr):
-    """sigmoid(gate_logit) * shared in fp32, the gate and the product each rounded to `ty` as SparseMoE.forward rounds
-    them: the MoE block's shared-expert term, wherever a kernel adds it."""
-    gate = (1.0 / (1.0 + tl.exp(-gate_logit.to(tl.float32)))).to(ty).to(tl.float32)
-    return (shared.to(tl.float32) * gate).to(ty).to(tl.float32)
-
-
-# One poll of a counter after a short sleep: ld.acquire at gpu scope (what a thread reads after it sees what the
-# producers stored before their release add), no read-modify-write on the hot line.
-POLL_ASM = tl.constexpr("{ nanosleep.u32 200; ld.acquire.gpu.global.b32 $0, [$1]; }")
-
-
-@triton.jit
-def poll(ptr, EMULATE: tl.constexpr = False):
-    """The counter at `ptr`, read with acquire semantics (an atomic add of 0 under the interpreter: no inline asm)."""
-    if EMULATE:
-        return tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-    else:
-        got = tl.inline_asm_elementwise(POLL_ASM, "=r,l", [ptr + tl.zeros([1], dtype=tl.int32)], dtype=tl.int32,
-                                        is_pure=False, pack=1)
-        return tl.max(got, 0)
-
-
-@triton.jit
-def wait_count(ptr, need, EMULATE: tl.constexpr = False):
-    """Spin until the counter at `ptr` reaches `need` (producers add to it with a release after their stores).
-
-    Only safe where every producer is already running (items handed out in ticket order, producers first): a program
-    that spins holds its slot on the SM. The interpreter runs programs one after another in ticket order, so there the
-    count must already be complete: an assertion, not a spin that could never end (`tl.assume`, which the interpreter
-    checks whatever the debug setting, where it skips `tl.device_assert`)."""
-    done = poll(ptr, EMULATE)
-    if EMULATE:
-        tl.assume(done >= need)
-    else:
-        while done < need:
-            done = poll(ptr, EMULATE)
-    tl.debug_barrier()
-
-
-@triton.jit
 def sum_splits(ptr, split_stride, offs, mask, SPLIT, SPLITP: tl.constexpr, CHUNK: tl.constexpr):
     """Sum over s < SPLIT of ptr[s * split_stride + offs] (fp32, `offs`/`mask` 2-D), read through L2.
 

@@ -28,11 +28,8 @@ model's own code.
 
 from __future__ import annotations
 
-import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -41,9 +38,7 @@ from ..quant import DenseWeight, Fp8BlockWeight
 from ._common import beside
 from .dispatch import MAX_DECODE_ROWS, int4_config, int4_tc_capable, row_count
 from .fp8_gemv import NormOnLoad, fp8_matmul, router_top_k
-from .small_ops import add_rms_norm, moe_sum_rms_norm, route_top_k, silu_mul
-
-log = logging.getLogger("roofline.kernels")
+from .small_ops import add_rms_norm, route_top_k, silu_mul
 
 NORM_IN_GEMVS = os.environ.get("ROOFLINE_NORM_IN_GEMVS", "1") != "0"
 
@@ -97,32 +92,6 @@ ROUTER_ROWS_CONFIG = {"BK": 256, "num_warps": 2}  # the one-launch router past t
 ROUTER_FEW_ROWS_CONFIG: dict | None = {"BN": 1, "BK": 1024, "num_warps": 2, "SPLIT_K": 1}
 
 
-# The routed experts' gate_up and down in one launch (int4_experts.experts_tc_one_launch: the down programs load their
-# weights while gate_up runs), with the MoE block's sum (shared expert, residual) left to the next layer's input norm
-# (`MoeSum`, small_ops.moe_sum_rms_norm), so the shared expert's stream joins before that norm, not before the experts,
-# and the chain has one kernel a layer fewer (session 22, benchmarks/NOTES-kernels.md). Every layer but the last of its
-# stack (`next_layer_sums`). Off until the step measures it faster (ab_step's experts-one-launch):
-# ROOFLINE_EXPERTS_ONE_LAUNCH=1 turns it on.
-EXPERTS_ONE_LAUNCH = os.environ.get("ROOFLINE_EXPERTS_ONE_LAUNCH", "0") == "1"
-
-
-@dataclass
-class MoeSum:
-    """A decoder layer's output left for the next layer's input norm to finish: residual + (routed + sigmoid(gate) *
-    shared). `join` makes the current stream wait for the shared expert's."""
-
-    routed: torch.Tensor
-    shared: torch.Tensor
-    gate: torch.Tensor
-    residual: torch.Tensor
-    join: Callable[[], None]
-
-    def finish(self, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, norm(h)) in one launch."""
-        self.join()
-        return moe_sum_rms_norm(self.routed, self.shared, self.gate, self.residual, norm.weight, norm.eps)
-
-
 _routes: list[torch.Tensor] | None = None  # see recording_routes
 
 
@@ -164,20 +133,18 @@ def _route(moe: SparseMoE, x: torch.Tensor, norm: NormOnLoad | None = None) -> t
 
 
 def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residual: torch.Tensor | None = None,
-                sumsq: torch.Tensor | None = None, norm: RMSNorm | None = None,
-                defer: bool = False) -> torch.Tensor | MoeSum:
+                sumsq: torch.Tensor | None = None, norm: RMSNorm | None = None) -> torch.Tensor:
     """SparseMoE.forward(x) (+ residual) for INT4 routed experts; `syms`: whether gate_up / down are symmetric.
     With `sumsq` and `norm` (`norm_in_gemvs`): x is the layer's h, `sumsq` its per-tile sums of squares
     (int4_tc.int4_matmul_residual), and the block returns h + SparseMoE.forward(norm(h)), the norm done in its
-    GEMVs' prologues. With `defer` (`EXPERTS_ONE_LAUNCH`, a residual given) it returns that sum unfinished
-    (`MoeSum`) where the routed experts can run in one launch."""
+    GEMVs' prologues."""
     if not 1 <= row_count(x) <= MAX_DECODE_ROWS:
         if sumsq is not None:
             raise ValueError(f"moe_forward: the norm runs in the decode kernels (1..{MAX_DECODE_ROWS} rows), "
                              f"got {row_count(x)} rows")
         out = SparseMoE.forward(moe, x)
         return out if residual is None else residual + out
-    from .int4_experts import experts_down, experts_gate_up, experts_tc_one_launch, one_launch_supported
+    from .int4_experts import experts_down, experts_gate_up
 
     if sumsq is None:
         shared_out, join = beside(x.device, lambda: moe.shared_expert(x).contiguous())
@@ -189,30 +156,12 @@ def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residu
         experts, weights, gate_logit = _route(moe, x, routed_norm)
         x, residual = routed_norm.normed, x
     gate_up, down = moe.experts.gate_up, moe.experts.down
-    tensors = ((gate_up.qweight, gate_up.qzeros, gate_up.scales), (down.qweight, down.qzeros, down.scales))
-    configs = (int4_config(gate_up), int4_config(down))
-    if defer and residual is not None:
-        if one_launch_supported(x, *tensors, configs):
-            routed = experts_tc_one_launch(x, experts, weights, *tensors, syms=syms, configs=configs)
-            return MoeSum(routed, shared_out, gate_logit, residual.contiguous(), join)
-        _say_two_launches(x, gate_up)
-    act = experts_gate_up(x, experts, *tensors[0], gate_up.group_size, sym=syms[0], config=configs[0])
+    act = experts_gate_up(x, experts, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size, sym=syms[0],
+                          config=int4_config(gate_up))
     join()
-    return experts_down(act, experts, weights, *tensors[1], down.group_size, sym=syms[1], config=configs[1],
-                        shared=shared_out, shared_gate=gate_logit,
+    return experts_down(act, experts, weights, down.qweight, down.qzeros, down.scales, down.group_size, sym=syms[1],
+                        config=int4_config(down), shared=shared_out, shared_gate=gate_logit,
                         residual=None if residual is None else residual.contiguous())
-
-
-_told: set[tuple] = set()
-
-
-def _say_two_launches(x: torch.Tensor, gate_up) -> None:
-    """Log, once per kind of call, that EXPERTS_ONE_LAUNCH asked for one launch and these experts take two."""
-    key = (row_count(x), x.dtype, gate_up.group_size)
-    if key not in _told:
-        _told.add(key)
-        log.warning("ROOFLINE_EXPERTS_ONE_LAUNCH: %d %s rows of group-%d experts are no tensor-core call of one "
-                    "launch; they run as two launches", *key)
 
 
 def mlp_forward(mlp: MLP, x: torch.Tensor, norm: NormOnLoad | None = None) -> torch.Tensor:
@@ -228,22 +177,16 @@ def mlp_forward(mlp: MLP, x: torch.Tensor, norm: NormOnLoad | None = None) -> to
     return mlp.down_proj(silu_mul(gate_up.reshape(-1, 2 * mlp.gate_proj.out_features)).view(*x.shape[:-1], -1))
 
 
-def layer_forward(layer: DecoderLayer, x: torch.Tensor | MoeSum, batch) -> torch.Tensor | MoeSum:
-    """DecoderLayer.forward with the residual add and the second norm fused, and the MoE adding the residual; x may be
-    the previous layer's unfinished sum (`EXPERTS_ONE_LAUNCH`), which the input norm's launch finishes."""
-    if isinstance(x, MoeSum):
-        x, normed = x.finish(layer.input_layernorm)
-    elif not 1 <= row_count(x) <= MAX_DECODE_ROWS:
+def layer_forward(layer: DecoderLayer, x: torch.Tensor, batch) -> torch.Tensor:
+    """DecoderLayer.forward with the residual add and the second norm fused, and the MoE adding the residual."""
+    if not 1 <= row_count(x) <= MAX_DECODE_ROWS:
         return DecoderLayer.forward(layer, x, batch)
-    else:
-        normed = layer.input_layernorm(x)
     mixer = layer.self_attn if layer.layer_type == "full_attention" else layer.linear_attn
     norm = layer.post_attention_layernorm
-    moe_args = {"defer": True} if EXPERTS_ONE_LAUNCH and getattr(layer, "next_layer_sums", False) else {}
     if getattr(layer, "norm_in_gemvs", False) and isinstance(batch, SlotBatch):
-        h, sumsq = mixer.slot_step(normed, batch, residual=x.contiguous())
-        return layer.mlp(h, sumsq=sumsq, norm=norm, **moe_args)
-    h, normed = add_rms_norm(x, mixer(normed, batch), norm.weight, norm.eps)
+        h, sumsq = mixer.slot_step(layer.input_layernorm(x), batch, residual=x.contiguous())
+        return layer.mlp(h, sumsq=sumsq, norm=norm)
+    h, normed = add_rms_norm(x, mixer(layer.input_layernorm(x), batch), norm.weight, norm.eps)
     if getattr(layer.mlp, "adds_residual", False):
-        return layer.mlp(normed, residual=h, **moe_args)
+        return layer.mlp(normed, residual=h)
     return h + layer.mlp(normed)

@@ -288,7 +288,6 @@ def _install_merged_projections(model: torch.nn.Module, installed: Counter) -> N
 
 def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
     """Decoder layers, MoE blocks and MLPs with fewer launches for decode rows (blocks.py)."""
-    from . import blocks
     from .blocks import fused_router, layer_forward, mlp_forward, moe_forward, norm_in_gemvs
     from .int4_gemv import is_symmetric
 
@@ -314,12 +313,6 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
             module.norm_in_gemvs = norm_in_gemvs(module, model.dtype)
             if module.norm_in_gemvs:
                 installed["layer add + norm in out_proj's epilogue and the MoE GEMVs' prologues"] += 1
-        layers = getattr(module, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList):  # a stack: each layer but the last may leave its sum to the next
-            for layer in list(layers)[:-1]:
-                layer.next_layer_sums = isinstance(layer, DecoderLayer) and getattr(layer.mlp, "adds_residual", False)
-                if layer.next_layer_sums and blocks.EXPERTS_ONE_LAUNCH:
-                    installed["routed experts in one launch, the MoE sum in the next input norm"] += 1
     if apart:
         log.info("%d MoE routers run their GEMV and a separate top-k kernel: the router weight is neither dense "
                  "16-bit nor block FP8 with a decode kernel", apart)

@@ -27,8 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, arrive, counters_for, gated_shared, next_pow2, pdl_options, reset, sum_splits,
-                      wait_for_inputs)
+from ._common import INTERPRET, arrive, counters_for, next_pow2, pdl_options, reset, sum_splits, wait_for_inputs
 from .int4_gemv import (
     MAGIC,
     _launch_geometry,
@@ -208,8 +207,10 @@ def _sum_choices(ws_ptr, out_ptr, cnt, chunk, T, H, n_offs, n_mask, ARRIVALS, SP
                                 SPLIT_K, SPLITP, 2)
         ty = out_ptr.dtype.element_ty
         if SHARED:
-            g = tl.load(sg_ptr + toks * SG_STRIDE, mask=toks < T, other=0)
-            total = total.to(ty).to(tl.float32) + gated_shared(tl.load(sh_ptr + offs, mask=tmask, other=0), g[:, None], ty)
+            g = tl.load(sg_ptr + toks * SG_STRIDE, mask=toks < T, other=0).to(tl.float32)
+            gate = (1.0 / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+            shared = (tl.load(sh_ptr + offs, mask=tmask, other=0).to(tl.float32) * gate[:, None]).to(ty).to(tl.float32)
+            total = total.to(ty).to(tl.float32) + shared
         if RESIDUAL:
             total = tl.load(res_ptr + offs, mask=tmask, other=0).to(tl.float32) + total.to(ty).to(tl.float32)
         tl.store(out_ptr + offs, total.to(ty), mask=tmask)
@@ -403,16 +404,17 @@ def _tc_out_rows(tok, choice, routed, colbase, WN: tl.constexpr, CH: tl.constexp
 
 
 @triton.jit
-def _gate_up_tc_item(
-    x32_ptr, ids_ptr, qw_ptr, qz_ptr, sc_ptr, act_ptr, ws_ptr, cnt_ptr, pid_n, pid_s, pid_k, TILES,
+def _gate_up_tc_kernel(
+    x32_ptr, ids_ptr, qw_ptr, qz_ptr, sc_ptr, act_ptr, ws_ptr, cnt_ptr,
     T, K2, I, GROUPS, GPS, QW_E, QZ_E, SC_E,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
-    QBLK: tl.constexpr, DEPTH: tl.constexpr, ready_ptr=None, SLICE=1,
+    QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
 ):
-    """One program's share of the routed gate_up: column tile pid_n of (token chunk, slot) pid_s, K split pid_k.
-    With `ready_ptr` (the one-launch MoE, `experts_tc_one_launch`), the program that stores an act tile then adds 1,
-    with a release, to the counter of the down kernel's K slice (SLICE act columns) that the tile lies in."""
+    wait_for_inputs(PDL)  # which weights to read comes from the router's output
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_k = tl.program_id(2)
     SLOTS = CH * TOPK
     chunk = pid_s // SLOTS
     slot = pid_s % SLOTS
@@ -434,8 +436,6 @@ def _gate_up_tc_item(
         if SPLIT_K == 1:
             tl.store(act_ptr + row0 * I + col, (g0 / (1.0 + tl.exp(-g0)) * u0).to(act_ptr.dtype.element_ty), mask=m0)
             tl.store(act_ptr + row1 * I + col, (g1 / (1.0 + tl.exp(-g1)) * u1).to(act_ptr.dtype.element_ty), mask=m1)
-            if ready_ptr is not None:
-                _tile_ready(ready_ptr, colbase, SLICE)
         else:
             # workspace [SPLIT_K, T*TOPK, 2, I]
             base = ws_ptr + pid_k * (T * TOPK * 2 * I) + col
@@ -443,34 +443,11 @@ def _gate_up_tc_item(
             tl.store(base + row0 * (2 * I) + I, u0, mask=m0)
             tl.store(base + row1 * (2 * I), g1, mask=m1)
             tl.store(base + row1 * (2 * I) + I, u1, mask=m1)
-            cnt = cnt_ptr + pid_s * TILES + pid_n
+            cnt = cnt_ptr + pid_s * tl.num_programs(0) + pid_n
             if arrive(cnt, SPLIT_K):
                 _gate_up_tc_finish(ws_ptr, act_ptr, row0, m0, col, T, I, TOPK, WN, SPLIT_K, SPLITP)
                 _gate_up_tc_finish(ws_ptr, act_ptr, row1, m1, col, T, I, TOPK, WN, SPLIT_K, SPLITP)
                 reset(cnt)
-                if ready_ptr is not None:
-                    _tile_ready(ready_ptr, colbase, SLICE)
-
-
-@triton.jit
-def _tile_ready(ready_ptr, colbase, SLICE):
-    """Publish a stored act tile to the down items of its K slice (every thread's stores before the release add)."""
-    tl.debug_barrier()
-    tl.atomic_add(ready_ptr + colbase // SLICE, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _gate_up_tc_kernel(
-    x32_ptr, ids_ptr, qw_ptr, qz_ptr, sc_ptr, act_ptr, ws_ptr, cnt_ptr,
-    T, K2, I, GROUPS, GPS, QW_E, QZ_E, SC_E,
-    TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
-    SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
-    QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
-):
-    wait_for_inputs(PDL)  # which weights to read comes from the router's output
-    _gate_up_tc_item(x32_ptr, ids_ptr, qw_ptr, qz_ptr, sc_ptr, act_ptr, ws_ptr, cnt_ptr, tl.program_id(0),
-                     tl.program_id(1), tl.program_id(2), tl.num_programs(0), T, K2, I, GROUPS, GPS, QW_E, QZ_E, SC_E,
-                     TOPK, TOPKP, CH, WN, KW, SYM, BF16, SPLIT_K, SPLITP, EMULATE, QBLK, DEPTH)
 
 
 @triton.jit
@@ -489,19 +466,18 @@ def _gate_up_tc_finish(ws_ptr, act_ptr, row, mask, col, T, I, TOPK: tl.constexpr
 
 
 @triton.jit
-def _down_tc_item(
+def _down_tc_kernel(
     act32_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr, sh_ptr, sg_ptr, SG_STRIDE, res_ptr,
-    pid_n, pid_s, pid_k, TILES, T, I2, H, GROUPS, GPS, QW_E, QZ_E, SC_E,
+    T, I2, H, GROUPS, GPS, QW_E, QZ_E, SC_E,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
-    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, QBLK: tl.constexpr, PDL: tl.constexpr, DEPTH: tl.constexpr,
-    ready_ptr=None, ready_need=0, used_ptr=None,
+    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
+    DEPTH: tl.constexpr = 2,
 ):
-    """One program's share of the routed down: column tile pid_n of (token chunk, slot) pid_s, K split pid_k; the
-    last program of each (chunk, column tile) sums the choices (`_sum_choices`). With `ready_ptr` (the one-launch
-    MoE) the owner waits, after its first weight loads, until `ready_need` act tiles of its K slice are stored, and
-    the last owner of the slice to finish (`used_ptr` counts them) resets both counters."""
     BN: tl.constexpr = 32 * WN
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_k = tl.program_id(2)
     SLOTS = CH * TOPK
     chunk = pid_s // SLOTS
     slot = pid_s % SLOTS
@@ -516,7 +492,7 @@ def _down_tc_item(
         g_end = tl.minimum(g_start + GPS, GROUPS)
         y0, y1, _, _ = tc_groups(act32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E,
                                  colbase, 0, H, g_start, g_end, WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, PDL,
-                                 DEPTH, ready_ptr, ready_need)
+                                 DEPTH)
         y0 = sum_warp_rows(y0, WN, KW)
         y1 = sum_warp_rows(y1, WN, KW)
         row0, row1, m0, m1, col = _tc_out_rows(tok, choice, routed, colbase, WN, CH, TOPK)
@@ -525,78 +501,13 @@ def _down_tc_item(
         # workspace [SPLIT_K, T*TOPK, H]
         tl.store(ws_ptr + pid_k * (T * TOPK * H) + row0 * H + col, y0 * w0, mask=m0)
         tl.store(ws_ptr + pid_k * (T * TOPK * H) + row1 * H + col, y1 * w1, mask=m1)
-        if ready_ptr is not None:
-            if arrive(used_ptr, TILES):  # every owner of this K slice is past its wait
-                reset(ready_ptr)
-                reset(used_ptr)
     else:
         wait_for_inputs(PDL)  # (tc_groups waited in the owners)
     # every program of this (chunk, column tile) arrives; the last sums choices and splits in order
     n_offs = colbase + tl.arange(0, BN)
     n_mask = n_offs < H
-    _sum_choices(ws_ptr, out_ptr, cnt_ptr + chunk * TILES + pid_n, chunk, T, H, n_offs, n_mask,
+    _sum_choices(ws_ptr, out_ptr, cnt_ptr + chunk * tl.num_programs(0) + pid_n, chunk, T, H, n_offs, n_mask,
                  SLOTS * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED, RESIDUAL)
-
-
-@triton.jit
-def _down_tc_kernel(
-    act32_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr, sh_ptr, sg_ptr, SG_STRIDE, res_ptr,
-    T, I2, H, GROUPS, GPS, QW_E, QZ_E, SC_E,
-    TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
-    SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
-    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
-    DEPTH: tl.constexpr = 2,
-):
-    _down_tc_item(act32_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr, sh_ptr, sg_ptr,
-                  SG_STRIDE, res_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), T, I2, H,
-                  GROUPS, GPS, QW_E, QZ_E, SC_E, TOPK, TOPKP, CH, WN, KW, SYM, BF16, SPLIT_K, SPLITP, EMULATE, SHARED,
-                  RESIDUAL, QBLK, PDL, DEPTH)
-
-
-@triton.jit
-def _one_launch_tc_kernel(
-    x32_ptr, ids_ptr, wts_ptr, gq_ptr, gz_ptr, gs_ptr, dq_ptr, dz_ptr, ds_ptr, act_ptr, act32_ptr, out_ptr, gws_ptr,
-    dws_ptr, cnt_ptr, sh_ptr, sg_ptr, SG_STRIDE, res_ptr,
-    T, K2, I, H, G_GROUPS, G_GPS, GQ_E, GZ_E, GS_E, D_GROUPS, D_GPS, DQ_E, DZ_E, DS_E,
-    G_TILES, G_SPLIT, D_TILES, D_SPLIT, SLOTS_ALL,
-    TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, G_WN: tl.constexpr, G_KW: tl.constexpr,
-    D_WN: tl.constexpr, D_KW: tl.constexpr, G_SYM: tl.constexpr, D_SYM: tl.constexpr, BF16: tl.constexpr,
-    G_SPLITP: tl.constexpr, D_SPLITP: tl.constexpr, EMULATE: tl.constexpr, SHARED: tl.constexpr,
-    RESIDUAL: tl.constexpr, G_QBLK: tl.constexpr, D_QBLK: tl.constexpr, G_DEPTH: tl.constexpr,
-    D_DEPTH: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """The routed experts' gate_up and down in one launch (see experts_tc_one_launch): every program takes a ticket
-    and runs that item, gate_up items first (slot by slot, column tiles in order), then the down items (slot by
-    slot, K slice by K slice), so every act tile a down item waits for is held by a program already running."""
-    GS: tl.constexpr = 128  # the tensor-core path's quantisation group (int4_tc.GROUP)
-    wait_for_inputs(PDL)  # which experts to read comes from the router's output
-    g_items = SLOTS_ALL * G_TILES * G_SPLIT
-    total = g_items + SLOTS_ALL * D_SPLIT * D_TILES
-    ticket = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
-    if ticket == total - 1:  # the last ticket: every program holds one, so the next launch may count from 0
-        reset(cnt_ptr)
-    # counters after the ticket's line: gate_up's split arrivals, down's sums, act tiles ready and used per K slice
-    g_cnt = cnt_ptr + 32
-    d_cnt = g_cnt + SLOTS_ALL * G_TILES
-    ready = d_cnt + (SLOTS_ALL // (CH * TOPK)) * D_TILES
-    used = ready + SLOTS_ALL * D_SPLIT
-    if ticket < g_items:
-        pid_s = ticket // (G_TILES * G_SPLIT)
-        rest = ticket % (G_TILES * G_SPLIT)
-        _gate_up_tc_item(x32_ptr, ids_ptr, gq_ptr, gz_ptr, gs_ptr, act_ptr, gws_ptr, g_cnt, rest // G_SPLIT, pid_s,
-                         rest % G_SPLIT, G_TILES, T, K2, I, G_GROUPS, G_GPS, GQ_E, GZ_E, GS_E, TOPK, TOPKP, CH, G_WN,
-                         G_KW, G_SYM, BF16, G_SPLIT, G_SPLITP, EMULATE, G_QBLK, G_DEPTH, ready + pid_s * D_SPLIT,
-                         D_GPS * GS)
-    else:
-        d = ticket - g_items
-        pid_s = d // (D_SPLIT * D_TILES)
-        pid_k = (d // D_TILES) % D_SPLIT
-        slice_tiles = tl.cdiv(tl.minimum(D_GPS * GS, I - pid_k * D_GPS * GS), 32 * G_WN)
-        _down_tc_item(act32_ptr, ids_ptr, wts_ptr, dq_ptr, dz_ptr, ds_ptr, out_ptr, dws_ptr, d_cnt, sh_ptr, sg_ptr,
-                      SG_STRIDE, res_ptr, d % D_TILES, pid_s, pid_k, D_TILES, T, I // 2, H, D_GROUPS, D_GPS, DQ_E,
-                      DZ_E, DS_E, TOPK, TOPKP, CH, D_WN, D_KW, D_SYM, BF16, D_SPLIT, D_SPLITP, EMULATE, SHARED,
-                      RESIDUAL, D_QBLK, False, D_DEPTH, ready + pid_s * D_SPLIT + pid_k, slice_tiles,
-                      used + pid_s * D_SPLIT + pid_k)
 
 
 def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
@@ -675,67 +586,5 @@ def _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, confi
         QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
         **launch_options(cfg),
         **pdl_options(act.device),
-    )
-    return out
-
-
-def one_launch_supported(x: torch.Tensor, gate_up: tuple, down: tuple, configs=(None, None)) -> bool:
-    """Whether experts_tc_one_launch runs these tokens and experts: both kernels on the tensor-core path (group 128)
-    at the same number of warps a program (one launch has one)."""
-    t, k = x.shape
-    inter, h = gate_up[0].shape[-1] // 2, down[0].shape[-1]
-    if not (_tc_path(x, inter, k, GROUP, t, configs[0], gate_up)
-            and _tc_path(x, h, inter, GROUP, t, configs[1], down, down=True)):
-        return False
-    gcfg, dcfg = _tc_expert_config(t, configs[0]), _tc_expert_config(t, configs[1], down=True)
-    return gcfg["WN"] * gcfg["KW"] == dcfg["WN"] * dcfg["KW"]
-
-
-def experts_tc_one_launch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: tuple, down: tuple, *,
-                          syms: tuple[bool, bool], configs: tuple[dict | None, dict | None] = (None, None), out=None,
-                          counters=None, shared=None, shared_gate=None, residual=None) -> torch.Tensor:
-    """experts_down(experts_gate_up(x, ...), ...) in one launch on the tensor-core path, with the same arithmetic in
-    the same order (the same bits). gate_up / down: (qweight, qzeros, scales), group 128 (`one_launch_supported`).
-
-    Why: at decode the two kernels are two steps of a chain of ~7 a layer, each paying its launch, its wait for the
-    previous one and its own ramp (benchmarks/NOTES-kernels.md, session 21). Here the down programs start while
-    gate_up runs: each holds a ticket taken after every gate_up ticket, issues its first weight loads, then waits only
-    for the act tiles of its own K slice (a counter that gate_up's programs bump as they store them). Tickets, not
-    program ids, order the items, so every producer a waiting program needs already runs: no deadlock whatever order
-    the hardware starts programs in. In the decode step behind `blocks.EXPERTS_ONE_LAUNCH` (off until measured there);
-    `benchmarks/experts_one_launch.py` times it against the two launches alone."""
-    t, k = x.shape
-    topk = ids.shape[1]
-    inter = gate_up[0].shape[-1] // 2
-    h = down[0].shape[-1]
-    if not one_launch_supported(x, gate_up, down, configs):
-        raise ValueError(f"experts_tc_one_launch: {t} {x.dtype} tokens of [{inter}, {k}] / [{h}, {inter}] experts are "
-                         "not a tensor-core call of the same warps for both (group 128, bf16/fp16, aligned)")
-    gcfg = _tc_expert_config(t, configs[0])
-    dcfg = _tc_expert_config(t, configs[1], down=True)
-    extra = _extra_terms(x, t, h, shared, shared_gate, residual)
-    ch = _tc_chunk(t)
-    slots_all = triton.cdiv(t, ch) * ch * topk
-    g_tiles, g_split, g_gps = tc_geometry(inter, k, gcfg, x.device, tiles_extra=min(t * topk, slots_all))
-    d_tiles, d_split, d_gps = tc_geometry(h, inter, dcfg, x.device, tiles_extra=min(t * topk, slots_all))
-    act = torch.empty(t, topk, inter, dtype=x.dtype, device=x.device)
-    if out is None:
-        out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    gws = torch.empty(g_split if g_split > 1 else 1, t * topk, 2, inter, dtype=torch.float32, device=x.device)
-    dws = torch.empty(d_split, t * topk, h, dtype=torch.float32, device=x.device)
-    chunks = slots_all // (ch * topk)
-    size = 32 + slots_all * g_tiles + chunks * d_tiles + 2 * slots_all * d_split
-    cnt = counters if counters is not None else counters_for("experts_tc_one_launch", size, x.device)
-    items = slots_all * (g_tiles * g_split + d_split * d_tiles)
-    _one_launch_tc_kernel[(items,)](
-        x.contiguous().view(torch.int32), ids.contiguous(), weights.contiguous(), *gate_up, *down, act,
-        act.view(torch.int32), out, gws, dws,
-        cnt, *extra.args(out), t, k // 2, inter, h, k // GROUP, g_gps, *(w[0].numel() for w in gate_up),
-        inter // GROUP, d_gps, *(w[0].numel() for w in down), g_tiles, g_split, d_tiles, d_split, slots_all,
-        TOPK=topk, TOPKP=next_pow2(topk), CH=ch, G_WN=gcfg["WN"], G_KW=gcfg["KW"], D_WN=dcfg["WN"], D_KW=dcfg["KW"],
-        G_SYM=bool(syms[0]), D_SYM=bool(syms[1]), BF16=x.dtype == torch.bfloat16, G_SPLITP=max(4, next_pow2(g_split)),
-        D_SPLITP=next_pow2(d_split), EMULATE=INTERPRET, **extra.flags(), G_QBLK=bool(gcfg.get("qblk")),
-        D_QBLK=bool(dcfg.get("qblk")), G_DEPTH=gcfg.get("depth", 2), D_DEPTH=dcfg.get("depth", 2),
-        num_warps=gcfg["WN"] * gcfg["KW"], num_stages=1, **launch_options(gcfg), **pdl_options(x.device),
     )
     return out

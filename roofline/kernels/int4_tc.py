@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from ._common import (INTERPRET, MAX_ROWS, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, sm_count,
-                      wait_count, wait_for_inputs)
+                      wait_for_inputs)
 
 GROUP = 128  # the path handles group size 128 (the published checkpoints); others use int4_gemv's lanes path
 SUMSQ_ROWS = tl.constexpr(MAX_ROWS)  # the row stride of int4_matmul_residual's per-tile sums of squares
@@ -274,21 +274,13 @@ def _step_math(q0, q1, q2, q3, s, u0, u1, u2, u3, su, x0, x1, x2, x3, grp, qz_pt
 
 
 @triton.jit
-def _inputs_ready(PDL: tl.constexpr, poll_ptr, poll_need, EMULATE: tl.constexpr):
-    """Where tc_groups waits for x: the previous kernel (PDL), and with poll_ptr the programs of this launch that write it."""
-    wait_for_inputs(PDL)
-    if poll_ptr is not None:
-        wait_count(poll_ptr, poll_need, EMULATE)
-
-
-@triton.jit
 def _steps_one_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP: tl.constexpr, g_start, g_end, kw, qz_ptr, col, N,
                      y0, y1, u0, u1, MB: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
-                     L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr, poll_ptr, poll_need):
+                     L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr):
     """tc_groups' loop with DEPTH=1: one register buffer; the next step's weights and x load during this step's math."""
     ga = g_start + kw
     q0, q1, q2_, q3, s, v0, v1, v2, v3, sv = _load_weights(qp, sp, q2, col2, R4, ga < g_end, DUAL)
-    _inputs_ready(PDL, poll_ptr, poll_need, EMULATE)  # the first step's weights are in flight; x comes later
+    wait_for_inputs(PDL)  # the first step's weights are in flight; x comes from the previous kernel
     x0, x1, x2, x3 = _load_x(xp, ga < g_end)
     for g0 in range(g_start, g_end, KW):
         ga = g0 + kw
@@ -305,13 +297,13 @@ def _steps_one_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP: tl.constexpr
 @triton.jit
 def _steps_two_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP: tl.constexpr, g_start, g_end, kw, qz_ptr, col, N,
                      y0, y1, u0, u1, MB: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
-                     L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr, poll_ptr, poll_need):
+                     L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr):
     """tc_groups' loop with DEPTH=2: two register buffers A and B, each refilled two steps ahead (see tc_groups)."""
     grp = g_start + kw  # [L, 1] group of each warp row in the first step
     qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua = _load_weights(qp, sp, q2, col2, R4, grp < g_end, DUAL)
     qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub = _load_weights(qp + QSTEP, sp + SSTEP, q2, col2, R4,
                                                                     grp + KW < g_end, DUAL)
-    _inputs_ready(PDL, poll_ptr, poll_need, EMULATE)  # the first steps' weights are in flight; x comes later
+    wait_for_inputs(PDL)  # the first steps' weights are in flight; x comes from the previous kernel
     xa0, xa1, xa2, xa3 = _load_x(xp, grp < g_end)
     for g0 in range(g_start, g_end, 2 * KW):
         ga = g0 + kw  # [L, 1] group of each warp row in buffer A's step; B's is + KW
@@ -339,7 +331,6 @@ def tc_groups(
     x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, col2, N, g_start, g_end,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
     EMULATE: tl.constexpr, GROUPS=1, QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
-    poll_ptr=None, poll_need=0,
 ):
     """Partial products over quantisation groups [g_start, g_end) for up to 8 token rows.
 
@@ -356,8 +347,6 @@ def tc_groups(
 
     PDL: wait for the previous kernel (`wait_for_inputs`) after the first steps' weight loads and
     before x's; callers whose weight addresses depend on its output wait before calling instead.
-    With `poll_ptr`, x is written by other programs of the same launch: after the first steps' weight
-    loads, also wait until the counter there reaches `poll_need` (`_common.wait_count`).
 
     Load pipeline: two steps of weights in flight per warp, in two register buffers A and B (the
     loop takes two steps an iteration; each buffer is reloaded two steps ahead right after its math,
@@ -400,10 +389,10 @@ def tc_groups(
     u1 = tl.zeros([L, 4], dtype=tl.float32)
     if DEPTH == 1:
         return _steps_one_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP, g_start, g_end, kw, qz_ptr, col, N,
-                                y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL, poll_ptr, poll_need)
+                                y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL)
     else:
         return _steps_two_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP, g_start, g_end, kw, qz_ptr, col, N,
-                                y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL, poll_ptr, poll_need)
+                                y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL)
 
 
 @triton.jit
@@ -483,6 +472,7 @@ def _store_tile(out_ptr, res_ptr, ss_ptr, y0, y1, o0, o1, m0, m1, tok, tile, M, 
     else:
         tl.store(out_ptr + o0, y0.to(dt), mask=m0)
         tl.store(out_ptr + o1, y1.to(dt), mask=m1)
+
 
 
 def tc_supported(x: torch.Tensor, n: int, k: int, group_size: int, wn: int = 1, tensors=()) -> bool:
@@ -770,7 +760,7 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     """
     import re
 
-    from .int4_experts import _down_tc_kernel, _gate_up_tc_kernel, _one_launch_tc_kernel
+    from .int4_experts import _down_tc_kernel, _gate_up_tc_kernel
     from .targets import compile_offline
 
     def layouts(ir):
@@ -817,28 +807,11 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     for case in cases:  # the down kernel's epilogue as the fused MoE block runs it (shared expert and residual added)
         if case[0] == "down":
             case[3].update(SHARED=True, RESIDUAL=True)
-    one_sig = {"x32_ptr": "*i32", "ids_ptr": "*i64", "wts_ptr": "*bf16", "gq_ptr": "*i32", "gz_ptr": "*i32", "gs_ptr": "*fp16",
-               "dq_ptr": "*i32", "dz_ptr": "*i32", "ds_ptr": "*fp16", "act_ptr": "*bf16", "act32_ptr": "*i32",
-               "out_ptr": "*bf16", "gws_ptr": "*fp32", "dws_ptr": "*fp32", "cnt_ptr": "*i32", "sh_ptr": "*bf16",
-               "sg_ptr": "*bf16", "SG_STRIDE": "i32", "res_ptr": "*bf16", "K2": "i32", "I": "i32", "H": "i32",
-               **{f"{s}_{a}": "i32" for s in "GD" for a in ("GROUPS", "GPS", "TILES", "SPLIT")},
-               **{f"{s}{w}_E": "i32" for s in "GD" for w in "QZS"}, "T": "i32", "SLOTS_ALL": "i32",
-               **{a: "constexpr" for a in ("TOPK", "TOPKP", "CH", "BF16", "EMULATE", "SHARED", "RESIDUAL", "PDL")},
-               **{f"{s}_{a}": "constexpr" for s in "GD" for a in ("WN", "KW", "SYM", "SPLITP", "QBLK", "DEPTH")}}
-    cases += [("one launch", _one_launch_tc_kernel, one_sig,  # experts_tc_one_launch at one token and at four
-               {"TOPK": 8, "TOPKP": 8, "CH": ch, "BF16": True, "EMULATE": False, "SHARED": True, "RESIDUAL": True,
-                "PDL": True, "G_WN": wn, "G_KW": 1, "D_WN": wn, "D_KW": 1, "G_SYM": True, "D_SYM": True, "G_SPLITP": 8,
-                "D_SPLITP": 2, "G_QBLK": qblk, "D_QBLK": qblk, "G_DEPTH": depth, "D_DEPTH": depth})
-              for wn, ch, qblk, depth in [(1, 1, True, 1), (2, 4, True, 2)]]
     for name, fn, sig, consts in cases:
-        aligned = {a for a in sig if sig[a].startswith("*") or a in ("N", "K2", "I", "I2", "H", "QW_E", "QZ_E", "SC_E")
-                   or a[1:] in ("Q_E", "Z_E", "S_E")}  # the one launch's per-expert strides: GQ_E, DZ_E, ...
-        warps = consts["WN"] * consts["KW"] if "WN" in consts else consts["G_WN"] * consts["G_KW"]
-        compiled = compile_offline(fn, sig, consts, aligned, target_arch, warps)
+        aligned = {a for a in sig if sig[a].startswith("*") or a in ("N", "K2", "I", "I2", "H", "QW_E", "QZ_E", "SC_E")}
+        compiled = compile_offline(fn, sig, consts, aligned, target_arch, consts["WN"] * consts["KW"])
         found = layouts(compiled.asm["ttgir"])
         problems += pdl_problems(name, compiled.asm["ptx"], prefetch=name.startswith("gemv") or name == "down")
-        if name == "one launch" and not all(op in compiled.asm["ptx"] for op in ("nanosleep", "ld.acquire.gpu")):
-            problems.append(f"{name} {consts}: the down items' wait (nanosleep, ld.acquire) is not in the PTX")
         if not found:
             problems.append(f"{name} {consts}: no inline asm found")
         problems += [f"{name} {consts}: {lay}" for lay in found if not good(lay)]

@@ -7,8 +7,7 @@ softmax / top-k / renormalise ~6. Here each is one launch over the step's few ro
 
 - `rms_norm(x, weight, eps)`: y = x * rsqrt(mean(x^2) + eps) * (1 + w) in fp32, rounded to
   x's dtype (roofline.model.layers.rms_norm), one program per row; `add_rms_norm` adds the
-  residual first and returns both (the decoder layer's add and the next norm), `moe_sum_rms_norm` also a MoE
-  block's shared expert (where the routed experts run in one launch, `blocks.EXPERTS_ONE_LAUNCH`);
+  residual first and returns both (the decoder layer's add and the next norm);
 - `silu_mul(gate_up)`: silu(gate) * up (the shared expert's activation, two kernels in PyTorch);
 - `route_top_k(logits, k)`: fp32 softmax over the experts, the k largest, renormalised to sum
   to 1 (SparseMoE.route), one program per token;
@@ -25,21 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import gated_shared, next_pow2, pdl_options, rows_in_place, wait_for_inputs
+from ._common import next_pow2, pdl_options, rows_in_place, wait_for_inputs
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, D, eps, ADD: tl.constexpr, BD: tl.constexpr,
-                     PDL: tl.constexpr = False, sh_ptr=None, sg_ptr=None, SG_STRIDE=0):
+                     PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BD)
     mask = d < D
     x = tl.load(x_ptr + row * D + d, mask=mask, other=0)
-    if sh_ptr is not None:  # x: the routed experts' sum; + sigmoid(gate) * shared, rounded as experts_down's epilogue
-        ty = x_ptr.dtype.element_ty
-        x = (x.to(tl.float32) + gated_shared(tl.load(sh_ptr + row * D + d, mask=mask, other=0),
-                                             tl.load(sg_ptr + row * SG_STRIDE), ty)).to(ty)
     if ADD:  # h = x + r, rounded to the model dtype as the reference's add is, then normed
         x = x + tl.load(r_ptr + row * D + d, mask=mask, other=0)
         tl.store(h_ptr + row * D + d, x, mask=mask)
@@ -65,20 +60,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     h, y = torch.empty_like(x2), torch.empty_like(x2)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, d, eps, ADD=True, BD=next_pow2(d), **pdl_options(x.device))
     return h.view(x.shape), y.view(x.shape)
-
-
-def moe_sum_rms_norm(routed: torch.Tensor, shared: torch.Tensor, shared_gate: torch.Tensor, residual: torch.Tensor,
-                     weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, rms_norm(h)) with h = residual + (routed + sigmoid(shared_gate) * shared): a MoE block's sum with the
-    shared expert and the layer's residual (rounded as experts_down's epilogue rounds them), and the next layer's
-    input norm, in one launch. `shared_gate` [T] or [T, 1], rows may be strided (a column of the router's logits)."""
-    d = routed.shape[-1]
-    x2, r2, s2 = (t.reshape(-1, d).contiguous() for t in (routed, residual, shared))
-    gate, stride = rows_in_place(shared_gate.reshape(x2.shape[0], -1))
-    h, y = torch.empty_like(x2), torch.empty_like(x2)
-    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, d, eps, ADD=True, BD=next_pow2(d), sh_ptr=s2, sg_ptr=gate,
-                                     SG_STRIDE=stride, **pdl_options(routed.device))
-    return h.view(routed.shape), y.view(routed.shape)
 
 
 @triton.jit
