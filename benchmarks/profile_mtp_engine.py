@@ -15,13 +15,12 @@ import argparse
 import contextlib
 import functools
 import json
-import os
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from kernels import write_result
 from roofline.bench.synthetic import ENGINE_SAMPLING, _one_sequence_engine, build_synthetic_model
 from roofline.checkpoint.shapes import resolve_layout
 from roofline.engine.graphs import DecodeGraphs
@@ -94,9 +93,7 @@ def main():
     for key in ("host_ranges_ms_per_step", "gpu_ranges_ms_per_step"):
         print(key, json.dumps({k: round(v, 3) for k, v in result[key].items()}))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile-mtp-engine.json").write_text(json.dumps(result, indent=1))
+    write_result("profile-mtp-engine", result)
     print("last step:", json.dumps(result["last_step"], indent=1))
     print(f"unprofiled: median {meta['unprofiled_step_ms_median']:.2f} ms a step; graph launches onto an idle GPU:")
     for g in result["graph_launches"]:

@@ -221,10 +221,15 @@ def _apply_penalties(logits, params_list, token_histories, prompt_lens) -> torch
 TIE_CANDIDATES = 64
 
 
-def _candidates(params_list, vocab: int) -> int | None:
+def _top_ks(params_list, vocab: int) -> list[int]:
+    """Each row's top_k, the vocabulary where it has none (0 or -1)."""
+    return [p.top_k if 0 < p.top_k < vocab else vocab for p in params_list]
+
+
+def _candidates(top_k: list[int], vocab: int) -> int | None:
     """How many of each row's largest scores the filters need (largest top_k + TIE_CANDIDATES), or None where some
     row has no top_k (or the count reaches the vocabulary) and the filters read the whole vocabulary."""
-    count = max(p.top_k if 0 < p.top_k < vocab else vocab for p in params_list) + TIE_CANDIDATES
+    count = max(top_k) + TIE_CANDIDATES
     return count if count < vocab else None
 
 
@@ -240,10 +245,10 @@ def _filter(scores, params_list) -> tuple[torch.Tensor, torch.Tensor | None]:
         return device_tensor(values, device, dtype)[:, None]
 
     temperature = per_row([p.temperature for p in params_list])
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params_list]
+    top_k = _top_ks(params_list, vocab)
     top_p = [p.top_p for p in params_list]
     ids = None
-    candidates = _candidates(params_list, vocab)
+    candidates = _candidates(top_k, vocab)
     if candidates is not None:
         values, ids = scores.topk(candidates, dim=-1)  # descending; the rest is masked below anyway
         ids = ids.flip(-1)
@@ -274,13 +279,14 @@ def _draw_filtered(scores, params_list, generators) -> torch.Tensor:
     """One token per row from the filtered distribution. Over the candidates where the filters took them: the
     softmax, the division by the noise and the argmax then read C scores a row, not the vocabulary; on CUDA with
     FUSED_SAMPLING, the top-k and then one launch for the rest (kernels/sample_draw.py)."""
-    candidates = _candidates(params_list, scores.shape[-1])
+    top_k = _top_ks(params_list, scores.shape[-1])
+    candidates = _candidates(top_k, scores.shape[-1])
     if candidates is not None and FUSED_SAMPLING and scores.device.type in FUSED_SAMPLING_DEVICES:
         from ..kernels.sample_draw import draw_candidates
 
         values, ids = scores.topk(candidates, dim=-1)
-        packed = [[p.temperature, p.top_k, p.top_p, math.log(p.min_p) if p.min_p > 0 else -math.inf]
-                  for p in params_list]
+        packed = [[p.temperature, k, p.top_p, math.log(p.min_p) if p.min_p > 0 else -math.inf]
+                  for p, k in zip(params_list, top_k)]
         noise = exponential_noise(len(params_list), scores.shape[-1], generators, scores.device)
         return draw_candidates(values, ids, noise, device_tensor(packed, scores.device, torch.float32))
     kept, ids = _filter(scores, params_list)

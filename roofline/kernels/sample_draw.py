@@ -32,16 +32,17 @@ PARAMS = 4
 
 
 @triton.jit
-def _draw_candidates_kernel(vals_ptr, ids_ptr, noise_ptr, params_ptr, out_ptr, C, NOISE_STRIDE, BC: tl.constexpr):
+def _draw_candidates_kernel(vals_ptr, ids_ptr, noise_ptr, params_ptr, out_ptr, C, NOISE_STRIDE, BC: tl.constexpr,
+                            NP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BC)  # ascending: position j holds the (BC - 1 - j)-th largest candidate, padding first
     desc = BC - 1 - j
     valid = desc < C
     s = tl.load(vals_ptr + row * C + desc, mask=valid, other=float("-inf"))
-    temperature = tl.load(params_ptr + row * 4)
-    top_k = tl.load(params_ptr + row * 4 + 1).to(tl.int32)
-    top_p = tl.load(params_ptr + row * 4 + 2)
-    log_min_p = tl.load(params_ptr + row * 4 + 3)
+    temperature = tl.load(params_ptr + row * NP)
+    top_k = tl.load(params_ptr + row * NP + 1).to(tl.int32)
+    top_p = tl.load(params_ptr + row * NP + 2)
+    log_min_p = tl.load(params_ptr + row * NP + 3)
     s = s / temperature
     kth = tl.sum(tl.where(j == BC - top_k, s, 0.0), axis=0)  # the k-th largest (top_k <= C: always a candidate)
     s = tl.where(s < kth, float("-inf"), s)
@@ -69,5 +70,5 @@ def draw_candidates(values: torch.Tensor, ids: torch.Tensor, noise: torch.Tensor
                          f"{values.dtype} / {noise.dtype} / {tuple(params.shape)}")
     out = torch.empty(rows, dtype=torch.long, device=values.device)
     _draw_candidates_kernel[(rows,)](values.contiguous(), ids.contiguous(), noise, params.contiguous(), out, c,
-                                     noise.stride(0), BC=next_pow2(c))
+                                     noise.stride(0), BC=next_pow2(c), NP=PARAMS)
     return out

@@ -31,7 +31,7 @@ def _cases():
     from .gdn_decode import _gdn_decode_kernel, _gdn_replay_kernel
     from .int4_gemm import _grouped_kernel
     from .int8_lm_head import _int8_rows_dot_kernel
-    from .sample_draw import _draw_candidates_kernel
+    from .sample_draw import PARAMS, _draw_candidates_kernel
 
     cases = [("int8 lm head (tensor cores, 32 x 256)", _int8_rows_dot_kernel, {"BV": 32, "BH": 256, "PDL": True},
               {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*fp32"}, (), 2, 3)]
@@ -79,7 +79,7 @@ def _cases():
     ]:
         pointers = {**fp8, "w_ptr": "*bf16"} if extra["TOPK"] else fp8  # the router's weight is 16-bit
         cases.append((f"fp8 gemv: {name}", _fp8_gemv_kernel, {**base, **extra}, pointers, ("eps",), warps, 1))
-    cases.append(("sampling draw over 84 candidates (top_k 20)", _draw_candidates_kernel, {"BC": 128},
+    cases.append(("sampling draw over 84 candidates (top_k 20)", _draw_candidates_kernel, {"BC": 128, "NP": PARAMS},
                   {"vals_ptr": "*fp32", "ids_ptr": "*i64", "noise_ptr": "*fp32", "params_ptr": "*fp32",
                    "out_ptr": "*i64"}, (), 4, 1))
     return cases
