@@ -33,11 +33,6 @@ VARIANTS = {
     # verify rows without a K split
     "router-split": ("roofline.kernels.blocks.ROUTER_FEW_ROWS_CONFIG=None",
                      [("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG", None)]),
-    # session 20's idea: a program's whole share loaded before the PDL wait (kernel_floor.py's "whole share" rows); the
-    # one- and two-row router's 3 K steps of 1024 as one step of 4096, so all its weight loads go out before the wait
-    "router-whole-k": ("roofline.kernels.blocks.ROUTER_FEW_ROWS_CONFIG={BN: 1, BK: 4096, num_warps: 2, SPLIT_K: 1}",
-                       [("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG",
-                         {"BN": 1, "BK": 4096, "num_warps": 2, "SPLIT_K": 1})]),
     "int4-split-verify": ("roofline.kernels.int4_tc.NO_SPLIT_MAX_ROWS=1",
                           [("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 1)]),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),

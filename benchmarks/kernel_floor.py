@@ -13,12 +13,11 @@ CUDA graph, with and without programmatic dependent launch (the project's `wait_
 - `arrive`: `empty` plus the split-K reduction the GEMVs run (a partial each, `_common.arrive`, the last program of
   each column tile sums its tile's partials): what one arrival round adds; `atomic add`: the same splits each add
   into the output with one relaxed atomic instead (what a GEMV whose consumer reads fp32 sums could do);
-- `fused pair`: two `stream` stages in one launch, the second's items waiting inside the kernel for all of the first's
-  (ticket order, a spin on a counter), against the same stages as two launches: what a persistent per-layer kernel
-  would save at each dependency; `persistent pair` (session 21): the same two stages where each program owns one
-  item of each, loads its whole B share before the dependency is met and polls with a sleep, not an atomic: the
-  session-17 pair spun on an atomic add and loaded only B's first step first, so it measured the spin, not the idea.
-  Against `stream ... no split, whole share before the wait` (two launches, same programs, same shares);
+- two stages in one launch, the way a persistent per-layer kernel would chain a layer's ops, were rows here until
+  session 24: spinning on an atomic counter (session 17, H200) 6.56 us a stage at 8 MB against 3.75 as two launches;
+  each program owning an item of both stages, its B share loaded before it polls (session 21's design, H100, session
+  24) 4.25 us a stage at 8 MB against 3.86 as two launches with the whole share before the PDL wait, and 2-4x slower
+  where B waits on 8 A items. A persistent kernel saves nothing at the dependency that PDL does not, so the rows went;
 - `stream S MB`: every program streams its contiguous share of an S MB weight (a distinct weight per kernel, so none
   is in L2 from an earlier one) in 2 KB steps (a 4-warp GEMV program's step), one step ahead of its use, as the
   GEMVs' loop does, then the arrival round: the most any GEMV of that size can reach in the chain. At 2-3 programs per SM the
@@ -103,86 +102,6 @@ def _floor_kernel(in_ptr, out_ptr, w_ptr, ws_ptr, cnt_ptr, WORDS_PER_PROGRAM, SP
 
 
 @triton.jit
-def _fused_pair_kernel(in_ptr, mid_ptr, out_ptr, wa_ptr, wb_ptr, sync_ptr, WORDS_PER_ITEM, ITEMS,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Two dependent streaming stages in one launch, the way a persistent per-layer kernel would chain a layer's ops:
-    ITEMS items of stage A, then ITEMS of stage B, handed out in ticket order (sync_ptr[0], so every A item is held by
-    a running program before any B item is taken: no deadlock); a B item loads its first step, then waits until every
-    A item has written (sync_ptr[1] == ITEMS), as a GEMV needs its whole input vector. The last program out resets
-    the counters (sync_ptr[2]) for the next launch."""
-    wait_for_inputs(PDL)
-    t = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
-    item = t % ITEMS
-    base = item.to(tl.int64) * WORDS_PER_ITEM
-    end = base + WORDS_PER_ITEM
-    offs = base + tl.arange(0, BLOCK)
-    if t < ITEMS:
-        acc = _stream_share(wa_ptr, offs, end, tl.load(wa_ptr + offs, mask=offs < end, other=0), WORDS_PER_ITEM, BLOCK)
-        x = tl.load(in_ptr + item % 64)
-        tl.store(mid_ptr + item, (tl.reduce(acc, 0, _xor) ^ x) & 1)
-        arrive(sync_ptr + 1, ITEMS)  # publishes the store (barrier, then an acq_rel add)
-    else:
-        w_first = tl.load(wb_ptr + offs, mask=offs < end, other=0)  # before the wait
-        done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
-        while done < ITEMS:
-            done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
-        x = tl.load(mid_ptr + (item * 7) % ITEMS, cache_modifier=".cg")
-        acc = _stream_share(wb_ptr, offs, end, w_first, WORDS_PER_ITEM, BLOCK)
-        tl.store(out_ptr + item % 64, (tl.reduce(acc, 0, _xor) ^ x) & 1)
-    if arrive(sync_ptr + 2, 2 * ITEMS):
-        reset(sync_ptr)
-        reset(sync_ptr + 1)
-        reset(sync_ptr + 2)
-
-
-# One poll of a counter after a short sleep: ld.acquire at gpu scope (the data read after it sees what the producers
-# stored before their release add), no read-modify-write on the hot line.
-POLL_ASM = tl.constexpr("{ nanosleep.u32 200; ld.acquire.gpu.global.b32 $0, [$1]; }")
-
-
-@triton.jit
-def _poll(ptr):
-    got = tl.inline_asm_elementwise(POLL_ASM, "=r,l", [ptr + tl.zeros([1], dtype=tl.int32)], dtype=tl.int32,
-                                    is_pure=False, pack=1)
-    return tl.max(got, 0)
-
-
-@triton.jit
-def _persistent_pair_kernel(in_ptr, mid_ptr, out_ptr, wa_ptr, wb_ptr, sync_ptr, WORDS, ITEMS, GROUP,
-                            SHARE: tl.constexpr, PDL: tl.constexpr):
-    """Two dependent streaming stages in one launch, as a persistent per-layer kernel would chain a GEMV into the
-    next: program p owns item p of stage A and item p of stage B (ITEMS programs, all resident). It loads its whole A
-    share before the PDL wait, reduces it, publishes its output with a release add on its group's counter (GROUP A
-    items a counter, counters 32 words apart), loads its whole B share at once, and only then polls the counter of the
-    A group its B item reads (GROUP == ITEMS: all of A, as a GEMV over the whole vector; smaller: a K-split GEMV's
-    slice). So B's weight reads overlap A's tail on every SM, which two launches cannot do. The last program out resets
-    the counters for the next launch."""
-    item = tl.program_id(0)
-    words = tl.arange(0, SHARE)
-    wmask = words < WORDS
-    base = item.to(tl.int64) * WORDS
-    share = tl.load(wa_ptr + base + words, mask=wmask, other=0)
-    wait_for_inputs(PDL)
-    x = tl.load(in_ptr + item % 64)
-    tl.store(mid_ptr + item, (tl.reduce(share, 0, _xor) ^ x) & 1)
-    groups = tl.cdiv(ITEMS, GROUP)
-    arrive(sync_ptr + 32 * (item // GROUP), 0)  # the barrier and release add publish the store (result unused)
-    share = tl.load(wb_ptr + base + words, mask=wmask, other=0)  # before B's dependency is met
-    src = (item * 7 + 3) % groups  # a group other than its own, where there are several
-    need = tl.minimum(GROUP, ITEMS - src * GROUP)
-    done = _poll(sync_ptr + 32 * src)
-    while done < need:
-        done = _poll(sync_ptr + 32 * src)
-    x = tl.load(mid_ptr + src * GROUP + item % need, cache_modifier=".cg")
-    tl.store(out_ptr + item % 64, (tl.reduce(share, 0, _xor) ^ x) & 1)
-    finish = sync_ptr + 32 * groups
-    if arrive(finish, ITEMS):
-        for g in range(groups):
-            reset(sync_ptr + 32 * g)
-        reset(finish)
-
-
-@triton.jit
 def _xor(a, b):
     return a ^ b
 
@@ -236,55 +155,17 @@ def main():
 
         measure(name, chain, "kernel", programs, programs * words * 4)
 
-    def pair_row(name, mb, pps, pdl=True, block=512):
-        """CHAIN / 2 launches of _fused_pair_kernel: two mb-MB stages each, pps programs per SM a stage."""
-        items = pps * sms
-        words, weights = weights_of(mb, items, block)
-        mid = torch.zeros(items, dtype=torch.int32, device=dev)
-        sync = torch.zeros(4, dtype=torch.int32, device=dev)
-        opts = pdl_options(dev) if pdl else {"PDL": False}
-
-        def chain():
-            for i in range(CHAIN // 2):
-                _fused_pair_kernel[(2 * items,)](bufs[i % 2], mid, bufs[(i + 1) % 2], weights[2 * i], weights[2 * i + 1],
-                                                 sync, words, items, BLOCK=block, num_warps=4, **opts)
-
-        measure(name, chain, "stage", 2 * items, items * words * 4)  # per stage: comparable with one kernel's row
-
-    def persistent_row(name, mb, pps, group):
-        """CHAIN / 2 launches of _persistent_pair_kernel: two mb-MB stages each, pps programs per SM, B items waiting
-        on `group` A items (None: all of A)."""
-        items = pps * sms
-        words, weights = weights_of(mb, items, 1)
-        share = triton.next_power_of_2(words)
-        mid = torch.zeros(items, dtype=torch.int32, device=dev)
-        sync = torch.zeros(32 * (items + 1), dtype=torch.int32, device=dev)
-
-        def chain():
-            for i in range(CHAIN // 2):
-                _persistent_pair_kernel[(items,)](bufs[i % 2], mid, bufs[(i + 1) % 2], weights[2 * i],
-                                                  weights[2 * i + 1], sync, words, items, group or items, SHARE=share,
-                                                  num_warps=4, **pdl_options(dev))
-
-        measure(name, chain, "stage", items, items * words * 4)
-
     for pdl in (True, False):
         tag = "pdl" if pdl else "no pdl"
         row(f"empty, {sms} programs, {tag}", sms, 1, pdl=pdl)
         row(f"empty, {6 * sms} programs, {tag}", 6 * sms, 1, pdl=pdl)
         row(f"arrive, {6 * sms // SPLIT} tiles x split {SPLIT}, {tag}", 6 * sms // SPLIT, SPLIT, pdl=pdl)
         row(f"atomic add, {6 * sms // SPLIT} tiles x split {SPLIT}, {tag}", 6 * sms // SPLIT, SPLIT, pdl=pdl, atomic=True)
-    for mb in (2, 8):  # one launch per dependent stage (no split-K: each program's share is a whole output) against
-        # two stages in one launch, the dependency met inside it
+    for mb in (2, 8):  # no split-K: each program's share is a whole output (no arrival round at all)
         row(f"stream {mb} MB, 6 programs/SM, no split, pdl", 6 * sms, 1, stream_mb=mb)
-        pair_row(f"fused pair {mb} + {mb} MB, 6 programs/SM a stage, pdl", mb, 6)
-    for mb in (2, 8):  # session 21: two stages in one persistent launch, each program's B share loaded before its
-        # dependency is met, against two launches with whole shares before the PDL wait (same programs, same shares)
         for pps in (3, 6):
             row(f"stream {mb} MB, {pps} programs/SM, no split, pdl, whole share before the wait", pps * sms, 1,
                 stream_mb=mb, whole=True)
-            persistent_row(f"persistent pair {mb} + {mb} MB, {pps}/SM, B waits on all of A", mb, pps, None)
-            persistent_row(f"persistent pair {mb} + {mb} MB, {pps}/SM, B waits on 8 A items", mb, pps, 8)
     for mb in (2, 8, 32):
         for pps in (2, 3, 6):
             tiles = pps * sms // SPLIT

@@ -224,19 +224,17 @@ def test_router_routes_three_and_four_rows_in_one_launch(monkeypatch, rows):
 
 
 @runs_here
-@pytest.mark.parametrize("split", [False, True, "whole-k"])
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("rows", [1, 2])
 def test_router_without_a_k_split_routes_as_the_top_k_kernel(monkeypatch, rows, split):
     """The default: one or two rows route on ROUTER_FEW_ROWS_CONFIG's tiles (one program per output row, no K split;
     H100, session 18: M = 1 0.018 ms faster), exactly as route_top_k on that GEMV's logits; `split`: ab_step's
-    router-split (ROUTER_FEW_ROWS_CONFIG None, fp8_gemv's default split config) and router-whole-k (one K step of
-    4096, a row's weights loaded whole before the wait) likewise on their tiles."""
+    router-split (ROUTER_FEW_ROWS_CONFIG None, fp8_gemv's default split config) likewise on its tiles."""
     from roofline.kernels import blocks
 
     assert blocks.ROUTER_FEW_ROWS_CONFIG["SPLIT_K"] == 1 and blocks.ROUTER_FEW_ROWS_CONFIG["BN"] == 1
     if split:
-        monkeypatch.setattr(blocks, "ROUTER_FEW_ROWS_CONFIG",
-                            None if split is True else {"BN": 1, "BK": 4096, "num_warps": 2, "SPLIT_K": 1})
+        monkeypatch.setattr(blocks, "ROUTER_FEW_ROWS_CONFIG", None)
     check_router_rows_config(monkeypatch, rows, "ROUTER_FEW_ROWS_CONFIG")
 
 
