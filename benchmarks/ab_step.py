@@ -33,9 +33,6 @@ VARIANTS = {
     # verify rows without a K split
     "router-split": ("roofline.kernels.blocks.ROUTER_FEW_ROWS_CONFIG=None",
                      [("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG", None)]),
-    # session 24: the routed gate_up's K splits added into fp32 sums with atomics (no arrival round), the down kernel
-    # making act on load, the router's launch zero-filling the sums (blocks.GATE_UP_SUMS, off by default until measured)
-    "gate-up-sums": ("ROOFLINE_GATE_UP_SUMS=1", [("roofline.kernels.blocks", "GATE_UP_SUMS", True)]),
     "int4-split-verify": ("roofline.kernels.int4_tc.NO_SPLIT_MAX_ROWS=1",
                           [("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 1)]),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),

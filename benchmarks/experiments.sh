@@ -2,9 +2,12 @@
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 21"), as phases that each fit one 10-minute
 # device call (session 20 on a warm H100: `first` 107 s, `mtp` 133 s, `next`'s old form 257 s with a cold start);
 # `next` first:
-#   OUT=... bash benchmarks/experiments.sh next     # session 24's gate_up sums (atomic adds instead of the arrival
-#                                                   # round, act made on load in down): their GPU tests, then the
-#                                                   # 122B's M = 1 / M = 3 steps in ab_step against the default (~4 min)
+#   OUT=... bash benchmarks/experiments.sh next     # kernel_floor.py first (session 21's persistent pair: two
+#                                                   # dependent stages in one launch against two launches, and the
+#                                                   # whole share before the PDL wait), the 122B's M = 1 / M = 3
+#                                                   # steps in ab_step beside router-whole-k, then benchmarks/
+#                                                   # sampling.py (session 23's fused draw against PyTorch's
+#                                                   # filters, the sampler's kernels) (~7 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -54,10 +57,11 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout -s INT -k 15 "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  next)  # the gate_up sums: right first (kernels at the 122B's sizes, the tokens through the engine), then the A/B
-    gpu_tests 200 -m gpu tests/test_kernels.py -k "sums or zero_fills"
-    gpu_tests 200 -m gpu tests/test_fast_path.py -k gate_up_sums
-    timeout 200 python3 benchmarks/ab_step.py --variants gate-up-sums --rounds 3 2>&1 | tail -10
+  next)  # the persistent-pair floor first (decides whether a persistent kernel is worth building), router-whole-k in
+    # the step, then the sampling draw after the top-k and what the sampler's kernels cost
+    timeout 170 python3 benchmarks/kernel_floor.py 2>&1 | grep "stream\|persistent\|wrote"
+    timeout 170 python3 benchmarks/ab_step.py --variants router-whole-k --rounds 3 2>&1 | tail -10
+    timeout 60 python3 benchmarks/sampling.py 2>&1 | tail -10
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \

@@ -86,25 +86,3 @@ def test_block_repacked_int4_gives_the_same_tokens(hybrid, monkeypatch):
     blocked = Engine.from_pretrained(str(hybrid), device="cuda", dtype="bfloat16")
     assert any(getattr(m, "blocked", False) for m in blocked.model.modules()), "nothing was block-repacked"
     assert greedy(blocked) == greedy(plain)
-
-
-def test_gate_up_sums_give_the_same_tokens(hybrid, monkeypatch):
-    """ROOFLINE_GATE_UP_SUMS (blocks.GATE_UP_SUMS): the routed gate_up adds its K splits into sums the router's launch
-    zero-filled, the down kernel makes act on load; the greedy tokens in bfloat16 are those of the arrival-round
-    kernels, and the sums path really ran (with and without the MTP head's drafts between the verify steps)."""
-    from roofline.engine.speculative import SpeculativeConfig
-    from roofline.kernels import blocks
-
-    taken = []
-    real = blocks._gate_up_sums
-    monkeypatch.setattr(blocks, "_gate_up_sums", lambda moe, x: taken.append(real(moe, x)) or taken[-1])
-    for k in (0, 2):
-        spec = SpeculativeConfig(k) if k else None
-        monkeypatch.setattr(blocks, "GATE_UP_SUMS", False)
-        plain = greedy(Engine.from_pretrained(str(hybrid), device="cuda", dtype="bfloat16", speculative=spec))
-        assert not any(t is not None for t in taken)
-        monkeypatch.setattr(blocks, "GATE_UP_SUMS", True)
-        summed = greedy(Engine.from_pretrained(str(hybrid), device="cuda", dtype="bfloat16", speculative=spec))
-        assert any(t is not None for t in taken), "the gate_up sums path never ran"
-        taken.clear()
-        assert summed == plain, k

@@ -15,7 +15,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
@@ -334,66 +333,6 @@ def test_experts_down_adds_shared_and_residual_interpreter(t, config):
 def test_experts_tc_interpreter(t, config):
     """The grouped experts on the int4_tc path (group 128, fp16), asm emulated."""
     check_experts(t, 6, 256, 128, 3, 128, torch.float16, "cpu", config, tol=2e-3)
-
-
-def check_experts_sums(t, experts, hidden, inter, topk, dtype, device, config=None, tol=1e-2, calls=1):
-    """experts_gate_up(sums=...) adds each K split's gate and up into zero-filled fp32 sums (no arrival round), and
-    experts_down makes act = silu(gate) * up on load from them: both as the references, with the MoE block's extra
-    terms; `calls` times over the same sums buffer refilled with zeros, as the router's launch refills it every
-    layer."""
-    from roofline.kernels.int4_experts import GateUpSums
-
-    torch.manual_seed(t * 5 + experts)
-    gate_up = random_int4(2 * inter, hidden, 128, False, device, experts)
-    down = random_int4(hidden, inter, 128, True, device, experts)
-    sums = torch.full((t, topk, 2, inter), float("nan"), dtype=torch.float32, device=device)
-    for call in range(calls):
-        x = torch.randn(t, hidden, device=device).to(dtype)
-        ids = torch.stack([torch.randperm(experts, device=device)[:topk] for _ in range(t)])
-        if t >= 2:
-            ids[1] = ids[0].flip(0)  # experts shared by two tokens: each owner adds both tokens' rows
-        weights = torch.softmax(torch.randn(t, topk, device=device), -1).to(dtype)
-        sums.zero_()
-        got = experts_gate_up(x, ids, *gate_up, 128, config=config, sums=sums)
-        assert isinstance(got, GateUpSums) and got.sums is sums and got.dtype == dtype
-        act_ref = experts_gate_up_reference(x, ids, *gate_up, 128)
-        gate, up = sums.unbind(2)
-        assert rel_err((F.silu(gate) * up).to(dtype), act_ref) < tol, call
-        terms = {"shared": torch.randn(t, hidden, device=device).to(dtype),
-                 "shared_gate": torch.randn(t, 1, device=device).to(dtype),
-                 "residual": torch.randn(t, hidden, device=device).to(dtype)}
-        out = experts_down(got, ids, weights, *down, 128, config=config,
-                           out=nan_like(torch.empty(t, hidden, dtype=dtype, device=device)), **terms)
-        want = experts_down_reference(act_ref, ids, weights, *down, 128)
-        want = terms["residual"] + (want + terms["shared"] * torch.sigmoid(terms["shared_gate"]))
-        assert rel_err(out, want) < tol, call
-    assert_counters_zero()
-
-
-@cpu
-@pytest.mark.parametrize("t,config,calls", [
-    (1, {"tc": True, "SPLIT_K": 2}, 2),
-    (2, {"tc": True, "SPLIT_K": 2, "depth": 1}, 1),  # the one-buffer loop
-])
-def test_experts_gate_up_sums_interpreter(t, config, calls):
-    check_experts_sums(t, 6, 256, 128, 3, torch.float16, "cpu", config, tol=2e-3, calls=calls)
-
-
-def test_experts_gate_up_sums_refuse_what_they_cannot_take():
-    """The sums must be contiguous fp32 [T, k, 2, I] and need the tensor-core path (group 128, 16-bit x)."""
-    gate_up = random_int4(64, 256, 128, True, "cpu", 4)
-    x = torch.randn(1, 256).half()
-    ids = torch.tensor([[0, 2]])
-    with pytest.raises(ValueError, match="sums must be contiguous fp32"):
-        experts_gate_up(x, ids, *gate_up, 128, config={"tc": True}, sums=torch.zeros(1, 2, 2, 16))
-    with pytest.raises(ValueError, match="tensor-core path"):
-        experts_gate_up(x.float(), ids, *gate_up, 128, config={"tc": True}, sums=torch.zeros(1, 2, 2, 32))
-
-
-@gpu
-@pytest.mark.parametrize("t", [1, 3, 4])
-def test_experts_gate_up_sums_gpu(t):
-    check_experts_sums(t, 256, 3072, 1024, 8, torch.bfloat16, GPU, calls=2)
 
 
 @gpu
@@ -1109,19 +1048,3 @@ def test_attention_reference_matches_model():
     ref = GatedAttention.attend(layer, q[0], k[0], v[0])
     ours = decode_attention_reference(q, k, v, torch.tensor([length]))
     torch.testing.assert_close(ours[0], ref, rtol=1e-5, atol=1e-5)
-
-
-@cpu
-def test_router_zero_fills_what_it_is_given():
-    """router_top_k(zero=...): the launch's programs zero-fill the tensor (the routed experts' gate_up sums, sized
-    unlike the launch's grid), and the logits and routing are as without it."""
-    torch.manual_seed(3)
-    weight = torch.randn(9, 256).half()
-    x = torch.randn(2, 256).half()
-    zero = torch.full((2, 3, 2, 50), float("nan"))
-    got = router_top_k(x, weight, None, (128, 128), 8, 3, zero=zero)
-    want = router_top_k(x, weight, None, (128, 128), 8, 3)
-    assert torch.equal(zero, torch.zeros_like(zero))
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    with pytest.raises(ValueError, match="contiguous fp32"):
-        router_top_k(x, weight, None, (128, 128), 8, 3, zero=torch.zeros(4, dtype=torch.float16))

@@ -263,9 +263,3 @@ def check_router_rows_config(monkeypatch, rows, config_name):
     logits = dense_matmul(x, moe.merged["router"].merged.weight, config=getattr(blocks, config_name))
     assert_same_routing((experts, weights), route_top_k(logits[:, :64], 8))
     assert torch.equal(gate_logit, logits[:, 64:])
-    sums = torch.full((rows, 8, 2, 96), float("nan"), device=DEVICE)  # GATE_UP_SUMS: the launch zero-fills them
-    assert all(torch.equal(a, b) for a, b in zip(blocks._route(moe, x, zero=sums), (experts, weights, gate_logit)))
-    assert torch.equal(sums, torch.zeros_like(sums))
-    monkeypatch.setattr(blocks, "FUSED_ROUTE_ROWS", rows - 1)  # a separate top-k kernel zero-fills nothing: refused
-    with pytest.raises(ValueError, match="zero-fills"):
-        blocks._route(moe, x, zero=sums)

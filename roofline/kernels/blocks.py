@@ -91,13 +91,6 @@ ROUTER_ROWS_CONFIG = {"BK": 256, "num_warps": 2}  # the one-launch router past t
 # (fp8_gemv's default config, with the K split) for the A/B.
 ROUTER_FEW_ROWS_CONFIG: dict | None = {"BN": 1, "BK": 1024, "num_warps": 2, "SPLIT_K": 1}
 
-# The routed experts' gate_up adds its K splits' partials into fp32 sums with relaxed atomics instead of an arrival
-# round (int4_experts.GateUpSums), the down kernel making silu(gate) * up on load, and the router's launch zero-fills
-# the sums after its PDL wait (every earlier reader of them has finished by then): kernel_floor.py put an arrival
-# round at +1.2-1.4 us a kernel against atomic adds (H100, session 24). Rows that route in the router's GEMV only.
-# ROOFLINE_GATE_UP_SUMS=1 turns it on; the sums arrive in no fixed order, so act's last bits can vary between runs.
-GATE_UP_SUMS = os.environ.get("ROOFLINE_GATE_UP_SUMS", "0") == "1"
-
 
 _routes: list[torch.Tensor] | None = None  # see recording_routes
 
@@ -115,46 +108,21 @@ def recording_routes():
         _routes = saved
 
 
-def _routes_in_gemv(moe: SparseMoE, rows: int) -> bool:
-    """Whether `rows` decode rows route in the router GEMV's epilogue (`router_top_k`)."""
-    return fused_router(moe) is not None and rows <= FUSED_ROUTE_ROWS
-
-
-def _gate_up_sums(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor | None:
-    """The routed experts' gate_up sums for x's rows where GATE_UP_SUMS applies (unfilled: the router's launch
-    zero-fills them), else None."""
-    experts = moe.experts
-    if not GATE_UP_SUMS or not _routes_in_gemv(moe, row_count(x)):
-        return None
-    from .int4_experts import gate_up_sums_supported
-
-    x2 = x.reshape(-1, x.shape[-1])
-    if not gate_up_sums_supported(x2, experts.gate_up, experts.down, (int4_config(experts.gate_up),
-                                                                      int4_config(experts.down))):
-        return None
-    return torch.empty(x2.shape[0], moe.top_k, 2, experts.gate_up.qweight.shape[-1] // 2, dtype=torch.float32,
-                       device=x.device)
-
-
-def _route(moe: SparseMoE, x: torch.Tensor, norm: NormOnLoad | None = None,
-           zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _route(moe: SparseMoE, x: torch.Tensor, norm: NormOnLoad | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chosen experts, routing weights fp32, the shared expert's gate logit) for decode rows; with `norm` the
-    router's kernel norms its input (and writes norm.normed); `zero` (only where `_routes_in_gemv`): fp32 sums the
-    router's launch zero-fills."""
+    router's kernel norms its input (and writes norm.normed)."""
     operands = fused_router(moe)
-    e, rows = moe.gate.out_features, row_count(x)
-    if zero is not None and not _routes_in_gemv(moe, rows):
-        raise ValueError("_route: only the router that routes in its GEMV zero-fills the gate_up sums")
     if operands is None:
         logits, gate_logit = moe.merged["router"](x)
         experts, weights = route_top_k(logits, moe.top_k)
     else:
-        if not _routes_in_gemv(moe, rows):
+        e, rows = moe.gate.out_features, row_count(x)
+        if rows > FUSED_ROUTE_ROWS:
             logits = fp8_matmul(x, *operands, norm=norm)
             experts, weights = route_top_k(logits[..., :e], moe.top_k)
         else:
             config = ROUTER_ROWS_CONFIG if rows > 2 else ROUTER_FEW_ROWS_CONFIG
-            logits, experts, weights = router_top_k(x, *operands, e, moe.top_k, norm=norm, config=config, zero=zero)
+            logits, experts, weights = router_top_k(x, *operands, e, moe.top_k, norm=norm, config=config)
         if moe.merged["router"].merged is not None:
             gate_logit = logits[..., e:]
         else:
@@ -178,19 +146,18 @@ def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residu
         return out if residual is None else residual + out
     from .int4_experts import experts_down, experts_gate_up
 
-    sums = _gate_up_sums(moe, x)
     if sumsq is None:
         shared_out, join = beside(x.device, lambda: moe.shared_expert(x).contiguous())
-        experts, weights, gate_logit = _route(moe, x, zero=sums)
+        experts, weights, gate_logit = _route(moe, x)
     else:
         shared_norm = NormOnLoad(sumsq, norm.weight, norm.eps)
         shared_out, join = beside(x.device, lambda: mlp_forward(moe.shared_expert, x, shared_norm).contiguous())
         routed_norm = NormOnLoad(sumsq, norm.weight, norm.eps, torch.empty_like(x))
-        experts, weights, gate_logit = _route(moe, x, routed_norm, zero=sums)
+        experts, weights, gate_logit = _route(moe, x, routed_norm)
         x, residual = routed_norm.normed, x
     gate_up, down = moe.experts.gate_up, moe.experts.down
     act = experts_gate_up(x, experts, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size, sym=syms[0],
-                          config=int4_config(gate_up), sums=sums)
+                          config=int4_config(gate_up))
     join()
     return experts_down(act, experts, weights, down.qweight, down.qzeros, down.scales, down.group_size, sym=syms[1],
                         config=int4_config(down), shared=shared_out, shared_gate=gate_logit,

@@ -73,7 +73,6 @@ def _fp8_gemv_kernel(
     ss_ptr=None, nw_ptr=None, normed_ptr=None, eps=0.0, NT=1, NORM: tl.constexpr = False,
     NORM_OUT: tl.constexpr = False, NTP: tl.constexpr = 1, XS=0, GATED: tl.constexpr = False,
     ids_ptr=None, X_PER_ROW=1, WS_STRIDE=0, GROUPED: tl.constexpr = False,
-    zero_ptr=None, ZERO_N=0, ZB: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -100,9 +99,6 @@ def _fp8_gemv_kernel(
     w_next = tl.load(w_ptr + n_offs[:, None] * K + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
     if not GROUPED:
         wait_for_inputs(PDL)  # the first weight tile is in flight; x comes from the previous kernel
-    if ZB > 0:  # a side job (fp8_matmul(zero=...)): zero-fill ZB elements of a later kernel's fp32 sums a program
-        zo = (pid_k * tl.num_programs(0) + pid_n) * ZB + tl.arange(0, ZB)
-        tl.store(zero_ptr + zo, tl.zeros([ZB], dtype=tl.float32), mask=zo < ZERO_N)
     if NORM:
         rstd = _rows_rstd(ss_ptr, m, m_mask, NT, K, eps, NTP)
     for k0 in range(k_start, k_end, BK):
@@ -199,12 +195,11 @@ def _k_split(k: int, bk: int, programs: int, cfg: dict, device) -> tuple[int, in
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, block=(128, 128), *, out=None,
                config: dict | None = None, counters: torch.Tensor | None = None, route: tuple | None = None,
-               norm: NormOnLoad | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
+               norm: NormOnLoad | None = None) -> torch.Tensor:
     """y = x @ W^T for x [..., K] with 1..4 rows, W block FP8 [N, K] with scale_inv per (bn, bk) block
     (scale_inv None: W is used as it is stored, see dense_matmul). `route` = (experts [M, k] int64, weights
     [M, k] fp32, E): also write each row's routing over its first E outputs (see router_top_k). `norm`:
-    y = rms_norm(x) @ W^T (see NormOnLoad). `zero`: a contiguous fp32 tensor the launch's programs zero-fill after
-    their PDL wait (the routed experts' gate_up sums, int4_experts.GateUpSums: no memset launch of their own)."""
+    y = rms_norm(x) @ W^T (see NormOnLoad)."""
     n, k = weight.shape
     x2, lead = decode_rows(x, k, "fp8_matmul")
     m = x2.shape[0]
@@ -226,17 +221,12 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
         experts, weights, e = route
         top_k = experts.shape[-1]
         routing = dict(experts_ptr=experts, weights_ptr=weights, E=e, TOPK=top_k, KP=next_pow2(top_k), BE=next_pow2(e))
-    zeroing = {}
-    if zero is not None:
-        if zero.dtype != torch.float32 or not zero.is_contiguous() or zero.device != x.device:
-            raise ValueError(f"zero: a contiguous fp32 tensor on {x.device}, got {zero.dtype} on {zero.device}")
-        zeroing = dict(zero_ptr=zero, ZERO_N=zero.numel(), ZB=next_pow2(triton.cdiv(zero.numel(), tiles * split)))
     _fp8_gemv_kernel[(tiles, split)](
         x2, weight, scale_inv if scale_inv is not None else weight, out, ws, cnt, m, n, k, k_per_split,
         scale_inv.shape[-1] if scale_inv is not None else 0,
         SBN=bn_s, SBK=bk_s, BM=max(1, 1 << (m - 1).bit_length()), BN=bn, BK=bk, SPLIT_K=split, SPLITP=next_pow2(split),
         HAS_SCALE=scale_inv is not None, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
-        XS=x2.shape[1], WS_STRIDE=m * n, **routing, **_norm_args(norm, x2), **zeroing, **pdl_options(x.device),
+        XS=x2.shape[1], WS_STRIDE=m * n, **routing, **_norm_args(norm, x2), **pdl_options(x.device),
     )
     return out.reshape(*lead, n)
 
@@ -256,19 +246,17 @@ def _norm_args(norm: NormOnLoad | None, x2: torch.Tensor) -> dict:
 
 
 def router_top_k(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, block, experts: int,
-                 top_k: int, config: dict | None = None, norm: NormOnLoad | None = None,
-                 zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 top_k: int, config: dict | None = None,
+                 norm: NormOnLoad | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router GEMV and its routing in one launch: (logits [..., N], chosen experts [M, top_k] int64, routing
     weights [M, top_k] fp32 summing to 1) for x [..., K] with 1..4 rows; softmax / top-k over the first
-    `experts` outputs (the rest, e.g. the shared expert's gate merged in, are only computed). `zero`: see
-    fp8_matmul."""
+    `experts` outputs (the rest, e.g. the shared expert's gate merged in, are only computed)."""
     m = x.numel() // x.shape[-1]
     if not 1 <= experts <= weight.shape[0] or top_k > experts:
         raise ValueError(f"router_top_k: {experts} experts (top {top_k}) for a weight of {weight.shape[0]} rows")
     chosen = torch.empty(m, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
-    logits = fp8_matmul(x, weight, scale_inv, block, route=(chosen, weights, experts), config=config, norm=norm,
-                        zero=zero)
+    logits = fp8_matmul(x, weight, scale_inv, block, route=(chosen, weights, experts), config=config, norm=norm)
     return logits, chosen, weights
 
 

@@ -277,47 +277,14 @@ def _chunk(t: int, mma: bool) -> int:
     return 16 if mma else min(4, next_pow2(t))
 
 
-@dataclass
-class GateUpSums:
-    """experts_gate_up(sums=...)'s result: the fp32 sums [T, k, 2, I] of gate (index 0) and up (1), each K split's
-    partial added with one relaxed atomic instead of an arrival round (`_common.arrive`: +1.2-1.4 us a kernel in a
-    PDL chain, kernel_floor.py); experts_down takes silu(gate) * up on load, rounded to `dtype` as act would be.
-    The sums arrive in no fixed order, so their last bits (and rarely act's) can differ from run to run."""
-
-    sums: torch.Tensor
-    dtype: torch.dtype
-
-
-def gate_up_sums_supported(x: torch.Tensor, gate_up, down, configs: tuple[dict | None, dict | None]) -> bool:
-    """Whether experts_gate_up(sums=...) and experts_down on its GateUpSums both take the tensor-core path for the
-    token rows x [T, H] (gate_up / down: the stacked Int4Weight-like experts; configs: their kernel configs)."""
-    t, k = x.shape
-    inter, h = gate_up.qweight.shape[-1] // 2, down.qweight.shape[-1]
-    return (_tc_path(x, inter, k, gate_up.group_size, t, configs[0], (gate_up.qweight, gate_up.qzeros, gate_up.scales))
-            and _tc_path(x, h, inter, down.group_size, t, configs[1], (down.qweight, down.qzeros, down.scales),
-                         down=True))
-
-
 def experts_gate_up(x: torch.Tensor, ids: torch.Tensor, qweight, qzeros, scales, group_size: int = 128, *,
-                    sym: bool | None = None, out=None, config: dict | None = None, counters=None,
-                    sums: torch.Tensor | None = None) -> torch.Tensor | GateUpSums:
-    """act [T, k, I] = silu(x @ Wg_e^T) * (x @ Wu_e^T) for each token's k routed experts e = ids[t, j].
-
-    `sums` (the tensor-core path only, `gate_up_sums_supported`): a zero-filled contiguous fp32 [T, k, 2, I] into
-    which the launch adds gate's and up's K splits; returns GateUpSums for experts_down."""
+                    sym: bool | None = None, out=None, config: dict | None = None, counters=None) -> torch.Tensor:
+    """act [T, k, I] = silu(x @ Wg_e^T) * (x @ Wu_e^T) for each token's k routed experts e = ids[t, j]."""
     t, k = x.shape
     topk = ids.shape[1]
     inter = qweight.shape[-1] // 2
     if sym is None:
         sym = is_symmetric(qzeros)
-    if sums is not None:
-        if sums.shape != (t, topk, 2, inter) or sums.dtype != torch.float32 or not sums.is_contiguous():
-            raise ValueError(f"experts_gate_up: sums must be contiguous fp32 [{t}, {topk}, 2, {inter}], got "
-                             f"{sums.dtype} {list(sums.shape)}")
-        if not _tc_path(x, inter, k, group_size, t, config, (qweight, qzeros, scales)):
-            raise ValueError(f"experts_gate_up: sums need the tensor-core path, not taken for {t} {x.dtype} tokens")
-        _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, sums, config, counters, sums=True)
-        return GateUpSums(sums, x.dtype)
     # the tc path also at one token since the layout fix (H200 sweep run 4: 15.1 us on 2 warps, 4 programs per SM,
     # vs 16.8 on the lanes path)
     if _tc_path(x, inter, k, group_size, t, config, (qweight, qzeros, scales)):
@@ -340,25 +307,17 @@ def experts_gate_up(x: torch.Tensor, ids: torch.Tensor, qweight, qzeros, scales,
     return act
 
 
-def experts_down(act: torch.Tensor | GateUpSums, ids: torch.Tensor, weights: torch.Tensor, qweight, qzeros, scales,
+def experts_down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qweight, qzeros, scales,
                  group_size: int = 128, *, sym: bool | None = None, out=None, config: dict | None = None,
                  counters=None, shared=None, shared_gate=None, residual=None) -> torch.Tensor:
-    """out [T, H] = sum_j weights[t, j] * act[t, j] @ Wd_e^T, e = ids[t, j]; `act` may be experts_gate_up's
-    GateUpSums (the tensor-core path then makes act on load).
+    """out [T, H] = sum_j weights[t, j] * act[t, j] @ Wd_e^T, e = ids[t, j].
 
     The MoE block's other terms can join in the same launch: `shared` [T, H] times sigmoid(`shared_gate`
     [T] or [T, 1], rows may be strided) and `residual` [T, H], added as SparseMoE and DecoderLayer add them."""
+    t, topk, inter = act.shape
     h = qweight.shape[-1]
     if sym is None:
         sym = is_symmetric(qzeros)
-    if isinstance(act, GateUpSums):
-        t, topk, _, inter = act.sums.shape
-        extra = _extra_terms(act.sums, t, h, shared, shared_gate, residual)
-        like = torch.empty(0, dtype=act.dtype, device=act.sums.device)  # the dtype and device tc_supported checks
-        if not _tc_path(like, h, inter, group_size, t, config, (qweight, qzeros, scales), down=True):
-            raise ValueError(f"experts_down: gate_up's sums need the tensor-core path, not taken for {t} tokens")
-        return _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters, extra)
-    t, topk, inter = act.shape
     extra = _extra_terms(act, t, h, shared, shared_gate, residual)
     if _tc_path(act, h, inter, group_size, t, config, (qweight, qzeros, scales), down=True):
         return _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters, extra)
@@ -450,7 +409,7 @@ def _gate_up_tc_kernel(
     T, K2, I, GROUPS, GPS, QW_E, QZ_E, SC_E,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
-    QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2, SUMS: tl.constexpr = False,
+    QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
 ):
     wait_for_inputs(PDL)  # which weights to read comes from the router's output
     pid_n = tl.program_id(0)
@@ -474,13 +433,7 @@ def _gate_up_tc_kernel(
         u0 = sum_warp_rows(u0, WN, KW)
         u1 = sum_warp_rows(u1, WN, KW)
         row0, row1, m0, m1, col = _tc_out_rows(tok, choice, routed, colbase, WN, CH, TOPK)
-        if SUMS:  # act_ptr: fp32 sums [T*TOPK, 2, I], zeroed before the launch; the down kernel applies the SiLU
-            base = act_ptr + col
-            tl.atomic_add(base + row0 * (2 * I), g0, mask=m0, sem="relaxed", scope="gpu")
-            tl.atomic_add(base + row0 * (2 * I) + I, u0, mask=m0, sem="relaxed", scope="gpu")
-            tl.atomic_add(base + row1 * (2 * I), g1, mask=m1, sem="relaxed", scope="gpu")
-            tl.atomic_add(base + row1 * (2 * I) + I, u1, mask=m1, sem="relaxed", scope="gpu")
-        elif SPLIT_K == 1:
+        if SPLIT_K == 1:
             tl.store(act_ptr + row0 * I + col, (g0 / (1.0 + tl.exp(-g0)) * u0).to(act_ptr.dtype.element_ty), mask=m0)
             tl.store(act_ptr + row1 * I + col, (g1 / (1.0 + tl.exp(-g1)) * u1).to(act_ptr.dtype.element_ty), mask=m1)
         else:
@@ -519,10 +472,9 @@ def _down_tc_kernel(
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
     SHARED: tl.constexpr, RESIDUAL: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
-    DEPTH: tl.constexpr = 2, XUP: tl.constexpr = 0,
+    DEPTH: tl.constexpr = 2,
 ):
     BN: tl.constexpr = 32 * WN
-    XROW: tl.constexpr = 4 if XUP > 0 else 1  # act32_ptr's elements a row takes per word of act: fp32 gate and up
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -535,12 +487,12 @@ def _down_tc_kernel(
     is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
     if is_owner:
         e64 = e.to(tl.int64)
-        xrow = _chunk_xrow((tok * TOPK + choice) * (I2 * XROW), routed, WN, KW, CH)
+        xrow = _chunk_xrow((tok * TOPK + choice) * I2, routed, WN, KW, CH)
         g_start = pid_k * GPS
         g_end = tl.minimum(g_start + GPS, GROUPS)
         y0, y1, _, _ = tc_groups(act32_ptr, xrow, qw_ptr + e64 * QW_E, sc_ptr + e64 * SC_E, qz_ptr + e64 * QZ_E,
                                  colbase, 0, H, g_start, g_end, WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, PDL,
-                                 DEPTH, XUP)
+                                 DEPTH)
         y0 = sum_warp_rows(y0, WN, KW)
         y1 = sum_warp_rows(y1, WN, KW)
         row0, row1, m0, m1, col = _tc_out_rows(tok, choice, routed, colbase, WN, CH, TOPK)
@@ -590,8 +542,7 @@ def _tc_chunk(t: int) -> int:
     return min(8, next_pow2(t))
 
 
-def _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, counters, sums: bool = False):
-    """`sums`: `out` is GateUpSums.sums, which the launch adds into (no workspace, no arrival round)."""
+def _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, counters):
     t, k = x.shape
     topk = ids.shape[1]
     inter = qweight.shape[-1] // 2
@@ -601,42 +552,39 @@ def _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, count
     slots = ch * topk
     tiles, split, gps = tc_geometry(inter, k, cfg, x.device, tiles_extra=min(t * topk, slots * chunks))
     act = torch.empty(t, topk, inter, dtype=x.dtype, device=x.device) if out is None else out
-    ws = torch.empty(split if split > 1 and not sums else 1, t * topk, 2, inter, dtype=torch.float32, device=x.device)
+    ws = torch.empty(split if split > 1 else 1, t * topk, 2, inter, dtype=torch.float32, device=x.device)
     cnt = counters if counters is not None else counters_for("experts_gate_up_tc", tiles * chunks * slots, x.device)
     _gate_up_tc_kernel[(tiles, chunks * slots, split)](
         x.contiguous().view(torch.int32), ids.contiguous(), qweight, qzeros, scales, act, ws, cnt,
         t, k // 2, inter, k // GROUP, gps, qweight[0].numel(), qzeros[0].numel(), scales[0].numel(),
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
         BF16=x.dtype == torch.bfloat16, SPLIT_K=split, SPLITP=max(4, next_pow2(split)), EMULATE=INTERPRET,
-        QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), SUMS=sums, num_warps=cfg["WN"] * cfg["KW"],
-        num_stages=1, **launch_options(cfg), **pdl_options(x.device),
+        QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
+        **launch_options(cfg),
+        **pdl_options(x.device),
     )
     return act
 
 
 def _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters, extra):
+    t, topk, inter = act.shape
     h = qweight.shape[-1]
-    if isinstance(act, GateUpSums):  # act made on load from the fp32 sums (tc_groups' XUP)
-        t, topk, _, inter = act.sums.shape
-        dtype, x_in, xup, device = act.dtype, act.sums, inter, act.sums.device
-    else:
-        t, topk, inter = act.shape
-        dtype, x_in, xup, device = act.dtype, act.contiguous().view(torch.int32), 0, act.device
     cfg = _tc_expert_config(t, config, down=True)
     ch = _tc_chunk(t)
     chunks = triton.cdiv(t, ch)
     slots = ch * topk
-    tiles, split, gps = tc_geometry(h, inter, cfg, device, tiles_extra=min(t * topk, slots * chunks))
+    tiles, split, gps = tc_geometry(h, inter, cfg, act.device, tiles_extra=min(t * topk, slots * chunks))
     if out is None:
-        out = torch.empty(t, h, dtype=dtype, device=device)
-    ws = torch.empty(split, t * topk, h, dtype=torch.float32, device=device)
-    cnt = counters if counters is not None else counters_for("experts_down_tc", tiles * chunks, device)
+        out = torch.empty(t, h, dtype=act.dtype, device=act.device)
+    ws = torch.empty(split, t * topk, h, dtype=torch.float32, device=act.device)
+    cnt = counters if counters is not None else counters_for("experts_down_tc", tiles * chunks, act.device)
     _down_tc_kernel[(tiles, chunks * slots, split)](
-        x_in, ids.contiguous(), weights.contiguous(), qweight, qzeros, scales, out, ws,
+        act.contiguous().view(torch.int32), ids.contiguous(), weights.contiguous(), qweight, qzeros, scales, out, ws,
         cnt, *extra.args(out), t, inter // 2, h, inter // GROUP, gps, qweight[0].numel(), qzeros[0].numel(), scales[0].numel(),
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
-        BF16=dtype == torch.bfloat16, SPLIT_K=split, SPLITP=next_pow2(split), EMULATE=INTERPRET, **extra.flags(),
-        QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), XUP=xup, num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
-        **launch_options(cfg), **pdl_options(device),
+        BF16=act.dtype == torch.bfloat16, SPLIT_K=split, SPLITP=next_pow2(split), EMULATE=INTERPRET, **extra.flags(),
+        QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
+        **launch_options(cfg),
+        **pdl_options(act.device),
     )
     return out

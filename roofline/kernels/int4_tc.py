@@ -255,34 +255,9 @@ def _load_weights(qp, sp, q2, col2, R4, mask, DUAL: tl.constexpr):
 
 
 @triton.jit
-def _load_x(xp, mask, XUP: tl.constexpr, BF16: tl.constexpr):
-    """One k-step's x words, [L, 4] x 4. With XUP > 0, xp points at fp32 gate sums (the up sums XUP elements
-    further, as experts_gate_up(sums=...) leaves them) and each word is made on load: silu(gate) * up of its two
-    elements, rounded to the 16-bit dtype as the gate_up kernel's own epilogue rounds, packed two to a word."""
-    if XUP == 0:
-        return (tl.load(xp, mask=mask), tl.load(xp + 16, mask=mask), tl.load(xp + 32, mask=mask),
-                tl.load(xp + 48, mask=mask))
-    else:
-        return (_gated_words(xp, mask, XUP, BF16), _gated_words(xp + 32, mask, XUP, BF16),
-                _gated_words(xp + 64, mask, XUP, BF16), _gated_words(xp + 96, mask, XUP, BF16))
-
-
-@triton.jit
-def _gated_words(gp, mask, XUP: tl.constexpr, BF16: tl.constexpr):
-    """[L, 4] words of silu(gate) * up from the fp32 sums at gp (elements 2 w, 2 w + 1 of word w: gp points at the
-    first of each pair)."""
-    two = tl.arange(0, 2)[None, None, :]
-    pair = gp[:, :, None] + two
-    m3 = mask[:, :, None] & (two >= 0)
-    g = tl.load(pair, mask=m3, other=0.0)
-    u = tl.load(pair + XUP, mask=m3, other=0.0)
-    act = g / (1.0 + tl.exp(-g)) * u
-    if BF16:
-        bits = act.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    else:
-        bits = act.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    lo, hi = tl.split(bits)
-    return lo | (hi << 16)
+def _load_x(xp, mask):
+    """One k-step's x words, [L, 4] x 4."""
+    return tl.load(xp, mask=mask), tl.load(xp + 16, mask=mask), tl.load(xp + 32, mask=mask), tl.load(xp + 48, mask=mask)
 
 
 @triton.jit
@@ -301,12 +276,12 @@ def _step_math(q0, q1, q2, q3, s, u0, u1, u2, u3, su, x0, x1, x2, x3, grp, qz_pt
 @triton.jit
 def _steps_one_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP: tl.constexpr, g_start, g_end, kw, qz_ptr, col, N,
                      y0, y1, u0, u1, MB: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
-                     L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr, XUP: tl.constexpr):
+                     L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr):
     """tc_groups' loop with DEPTH=1: one register buffer; the next step's weights and x load during this step's math."""
     ga = g_start + kw
     q0, q1, q2_, q3, s, v0, v1, v2, v3, sv = _load_weights(qp, sp, q2, col2, R4, ga < g_end, DUAL)
     wait_for_inputs(PDL)  # the first step's weights are in flight; x comes from the previous kernel
-    x0, x1, x2, x3 = _load_x(xp, ga < g_end, XUP, BF16)
+    x0, x1, x2, x3 = _load_x(xp, ga < g_end)
     for g0 in range(g_start, g_end, KW):
         ga = g0 + kw
         y0, y1, u0, u1 = _step_math(q0, q1, q2_, q3, s, v0, v1, v2, v3, sv, x0, x1, x2, x3, ga, qz_ptr, col, col2, N,
@@ -315,31 +290,31 @@ def _steps_one_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP: tl.constexpr
         sp += SSTEP
         xp += XSTEP
         q0, q1, q2_, q3, s, v0, v1, v2, v3, sv = _load_weights(qp, sp, q2, col2, R4, ga + KW < g_end, DUAL)
-        x0, x1, x2, x3 = _load_x(xp, ga + KW < g_end, XUP, BF16)
+        x0, x1, x2, x3 = _load_x(xp, ga + KW < g_end)
     return y0, y1, u0, u1
 
 
 @triton.jit
 def _steps_two_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP: tl.constexpr, g_start, g_end, kw, qz_ptr, col, N,
                      y0, y1, u0, u1, MB: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
-                     L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr, XUP: tl.constexpr):
+                     L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr):
     """tc_groups' loop with DEPTH=2: two register buffers A and B, each refilled two steps ahead (see tc_groups)."""
     grp = g_start + kw  # [L, 1] group of each warp row in the first step
     qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua = _load_weights(qp, sp, q2, col2, R4, grp < g_end, DUAL)
     qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub = _load_weights(qp + QSTEP, sp + SSTEP, q2, col2, R4,
                                                                     grp + KW < g_end, DUAL)
     wait_for_inputs(PDL)  # the first steps' weights are in flight; x comes from the previous kernel
-    xa0, xa1, xa2, xa3 = _load_x(xp, grp < g_end, XUP, BF16)
+    xa0, xa1, xa2, xa3 = _load_x(xp, grp < g_end)
     for g0 in range(g_start, g_end, 2 * KW):
         ga = g0 + kw  # [L, 1] group of each warp row in buffer A's step; B's is + KW
         # buffer A (step g0, always present): x of the next step, the math, the buffer refilled two steps ahead
-        xb0, xb1, xb2, xb3 = _load_x(xp + XSTEP, ga + KW < g_end, XUP, BF16)
+        xb0, xb1, xb2, xb3 = _load_x(xp + XSTEP, ga + KW < g_end)
         y0, y1, u0, u1 = _step_math(qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua, xa0, xa1, xa2, xa3, ga, qz_ptr,
                                     col, col2, N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE)
         qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua = _load_weights(qp + 2 * QSTEP, sp + 2 * SSTEP, q2, col2, R4,
                                                                         ga + 2 * KW < g_end, DUAL)
         # buffer B (step g0 + KW)
-        xa0, xa1, xa2, xa3 = _load_x(xp + 2 * XSTEP, ga + 2 * KW < g_end, XUP, BF16)
+        xa0, xa1, xa2, xa3 = _load_x(xp + 2 * XSTEP, ga + 2 * KW < g_end)
         if g0 + KW < g_end:
             y0, y1, u0, u1 = _step_math(qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub, xb0, xb1, xb2, xb3, ga + KW,
                                         qz_ptr, col, col2, N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE)
@@ -356,7 +331,6 @@ def tc_groups(
     x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, col2, N, g_start, g_end,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
     EMULATE: tl.constexpr, GROUPS=1, QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
-    XUP: tl.constexpr = 0,
 ):
     """Partial products over quantisation groups [g_start, g_end) for up to 8 token rows.
 
@@ -369,8 +343,7 @@ def tc_groups(
     token g (any valid row where the token is absent). g_end - g_start must be a positive multiple
     of KW (warp row kw takes group g0 + kw of each step). Returns (y0, y1) [L, 4] fp32, tokens 2t
     and 2t + 1 at column colbase + 32 wn + 4 g + v (sum the KW warp rows), and with DUAL the same
-    pair for columns + col2 (the up half of gate_up), sharing the x loads. XUP > 0: x32_ptr is an fp32 pointer to
-    gate_up's sums (xrow in fp32 elements; the up half XUP further) and x is silu(gate) * up, made on load (`_load_x`).
+    pair for columns + col2 (the up half of gate_up), sharing the x loads.
 
     PDL: wait for the previous kernel (`wait_for_inputs`) after the first steps' weight loads and
     before x's; callers whose weight addresses depend on its output wait before calling instead.
@@ -406,21 +379,20 @@ def tc_groups(
         R4 = 4 * N  # one k-step: 4 packed rows
         QSTEP = 16 * KW * N
         q2 = col2
+    xp = x32_ptr + xrow + kp * 4 + v
     sp = sc_ptr + grp * N + col
     SSTEP = KW * N
-    XWIDTH: tl.constexpr = 2 if XUP > 0 else 1  # elements of x32_ptr a word of x takes: two fp32 sums with XUP
-    XSTEP: tl.constexpr = 64 * KW * XWIDTH
-    xp = x32_ptr + xrow + XWIDTH * (kp * 4 + v)
+    XSTEP: tl.constexpr = 64 * KW
     y0 = tl.zeros([L, 4], dtype=tl.float32)
     y1 = tl.zeros([L, 4], dtype=tl.float32)
     u0 = tl.zeros([L, 4], dtype=tl.float32)
     u1 = tl.zeros([L, 4], dtype=tl.float32)
     if DEPTH == 1:
         return _steps_one_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP, g_start, g_end, kw, qz_ptr, col, N,
-                                y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL, XUP)
+                                y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL)
     else:
         return _steps_two_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP, g_start, g_end, kw, qz_ptr, col, N,
-                                y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL, XUP)
+                                y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL)
 
 
 @triton.jit
@@ -814,11 +786,10 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
                      "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr", "QBLK": "constexpr",
                      "PDL": "constexpr", "DEPTH": "constexpr"}
     gate_up_sig = {"x32_ptr": "*i32", "ids_ptr": "*i64", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "act_ptr": "*bf16",
-                   "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", "SUMS": "constexpr", **expert_common}
+                   "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", **expert_common}
     down_sig = {"act32_ptr": "*i32", "ids_ptr": "*i64", "wts_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16",
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "sh_ptr": "*bf16", "sg_ptr": "*bf16", "SG_STRIDE": "i32",
-                "res_ptr": "*bf16", "SHARED": "constexpr", "RESIDUAL": "constexpr", "I2": "i32", "H": "i32", "XUP": "constexpr",
-                **expert_common}
+                "res_ptr": "*bf16", "SHARED": "constexpr", "RESIDUAL": "constexpr", "I2": "i32", "H": "i32", **expert_common}
     cases = [("gemv", _gemv_tc_kernel, gemv_sig, {"WN": wn, "KW": kw, "SYM": sym, "BF16": True, "SPLITP": 4, "EMULATE": False,
                                                   "QBLK": False, "PDL": True, "DEPTH": 2, "RESIDUAL": False})
              for wn, kw, sym in [(4, 1, True), (4, 1, False), (2, 2, True)]]
@@ -834,21 +805,13 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
               for wn, ch, sym, qblk, depth in [(1, 1, True, False, 2), (2, 4, False, False, 2), (2, 1, True, True, 2),
                                                (2, 1, True, True, 1)]]
     for case in cases:  # the down kernel's epilogue as the fused MoE block runs it (shared expert and residual added)
-        if case[0] == "gate_up":
-            case[3].update(SUMS=False)
-        elif case[0] == "down":
-            case[3].update(SHARED=True, RESIDUAL=True, XUP=0)
-    # blocks.GATE_UP_SUMS: gate_up adding into fp32 sums, down making act on load from them (the one-token configs)
-    one_token = {"TOPK": 8, "TOPKP": 8, "CH": 1, "WN": 1, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 8,
-                 "EMULATE": False, "QBLK": True, "PDL": True, "DEPTH": 1}
-    cases += [("gate_up sums", _gate_up_tc_kernel, {**gate_up_sig, "act_ptr": "*fp32"}, {**one_token, "SUMS": True}),
-              ("down sums", _down_tc_kernel, {**down_sig, "act32_ptr": "*fp32"},
-               {**one_token, "SHARED": True, "RESIDUAL": True, "XUP": 1024})]
+        if case[0] == "down":
+            case[3].update(SHARED=True, RESIDUAL=True)
     for name, fn, sig, consts in cases:
         aligned = {a for a in sig if sig[a].startswith("*") or a in ("N", "K2", "I", "I2", "H", "QW_E", "QZ_E", "SC_E")}
         compiled = compile_offline(fn, sig, consts, aligned, target_arch, consts["WN"] * consts["KW"])
         found = layouts(compiled.asm["ttgir"])
-        problems += pdl_problems(name, compiled.asm["ptx"], prefetch=name.startswith(("gemv", "down")))
+        problems += pdl_problems(name, compiled.asm["ptx"], prefetch=name.startswith("gemv") or name == "down")
         if not found:
             problems.append(f"{name} {consts}: no inline asm found")
         problems += [f"{name} {consts}: {lay}" for lay in found if not good(lay)]

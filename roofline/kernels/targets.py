@@ -65,7 +65,7 @@ def _cases():
            "cnt_ptr": "*i32", "ss_ptr": "*fp32", "nw_ptr": "*bf16", "normed_ptr": "*bf16", "experts_ptr": "*i64",
            "weights_ptr": "*fp32", "ids_ptr": "*i64"}
     base = {"SBN": 128, "SBK": 128, "SPLITP": 8, "PDL": True, "KP": 1, "BE": 1, "NTP": 32, "GROUPED": False,
-            "NORM_OUT": False, "ids_ptr": None, "ZB": 0, "zero_ptr": None}
+            "NORM_OUT": False, "ids_ptr": None}
     router = {"HAS_SCALE": False, "TOPK": 8, "KP": 8, "BE": 256, "NORM": True, "NORM_OUT": True, "GATED": False}
     for name, extra, warps in [
         ("shared gate_up (8 x 128, norm on load)", {"BM": 1, "BN": 8, "BK": 128, "HAS_SCALE": True, "TOPK": 0,
@@ -74,16 +74,11 @@ def _cases():
                                            "GATED": False, "experts_ptr": None, "weights_ptr": None, "ss_ptr": None,
                                            "nw_ptr": None, "normed_ptr": None}, 1),
         ("router + top-8 without a K split (blocks.ROUTER_FEW_ROWS_CONFIG)", {"BM": 1, "BN": 1, "BK": 1024, **router}, 2),
-        ("router + top-8 zero-filling the gate_up sums (blocks.GATE_UP_SUMS)",
-         {"BM": 1, "BN": 1, "BK": 1024, **router, "ZB": 64, "zero_ptr": "*fp32"}, 2),
         ("router + top-8 without a K split, 2 rows", {"BM": 2, "BN": 1, "BK": 1024, **router}, 2),
         ("router + top-8, 4 rows (blocks.ROUTER_ROWS_CONFIG)", {"BM": 4, "BN": 8, "BK": 256, **router}, 2),
     ]:
         pointers = {**fp8, "w_ptr": "*bf16"} if extra["TOPK"] else fp8  # the router's weight is 16-bit
-        consts = {**base, **extra}
-        if consts["zero_ptr"]:  # a pointer argument, not a constant
-            pointers = {**pointers, "zero_ptr": consts.pop("zero_ptr")}
-        cases.append((f"fp8 gemv: {name}", _fp8_gemv_kernel, consts, pointers, ("eps",), warps, 1))
+        cases.append((f"fp8 gemv: {name}", _fp8_gemv_kernel, {**base, **extra}, pointers, ("eps",), warps, 1))
     cases.append(("sampling draw over 84 candidates (top_k 20)", _draw_candidates_kernel, {"BC": 128, "NP": PARAMS},
                   {"vals_ptr": "*fp32", "ids_ptr": "*i64", "noise_ptr": "*fp32", "params_ptr": "*fp32",
                    "out_ptr": "*i64"}, (), 4, 1))
