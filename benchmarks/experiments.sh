@@ -1,20 +1,17 @@
 #!/usr/bin/env bash
-# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 21"), as phases that each fit one 10-minute
+# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 24"), as phases that each fit one 10-minute
 # device call (session 20 on a warm H100: `first` 107 s, `mtp` 133 s, `next`'s old form 257 s with a cold start);
 # `next` first:
-#   OUT=... bash benchmarks/experiments.sh next     # kernel_floor.py first (session 21's persistent pair: two
-#                                                   # dependent stages in one launch against two launches, and the
-#                                                   # whole share before the PDL wait), the 122B's M = 1 / M = 3
-#                                                   # steps in ab_step beside router-whole-k, then benchmarks/
-#                                                   # sampling.py (session 23's fused draw against PyTorch's
-#                                                   # filters, the sampler's kernels) (~7 min)
+#   OUT=... bash benchmarks/experiments.sh next     # what session 24 left unmeasured: the issue's kernel figures
+#                                                   # (routed experts, INT8 LM head, FP8 shared expert) at this
+#                                                   # commit, and the 35B-A3B row its `shapes` call lost (~3 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
 #                                                   # where an MTP-2 step through Engine.step spends its time
 #                                                   # (profile_mtp_engine.py, then unprofiled without PDL; H100,
 #                                                   # session 19: 6.81 ms a step, its GPU work) (~4 min)
-#   OUT=... bash benchmarks/experiments.sh shapes   # the 35B-A3B and 27B rows (~2 min)
+#   OUT=... bash benchmarks/experiments.sh shapes   # the 35B-A3B and 27B rows (~3 min)
 #   OUT=... bash benchmarks/experiments.sh tests    # the pooled-decode / fast-path / generate-CLI GPU files (~5 min)
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
 #                                                   # experts kernels in 16-token chunks (~2 min)
@@ -57,11 +54,10 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout -s INT -k 15 "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
 }
 case "${1:-}" in
-  next)  # the persistent-pair floor first (decides whether a persistent kernel is worth building), router-whole-k in
-    # the step, then the sampling draw after the top-k and what the sampler's kernels cost
-    timeout 170 python3 benchmarks/kernel_floor.py 2>&1 | grep "stream\|persistent\|wrote"
-    timeout 170 python3 benchmarks/ab_step.py --variants router-whole-k --rounds 3 2>&1 | tail -10
-    timeout 60 python3 benchmarks/sampling.py 2>&1 | tail -10
+  next)  # the kernel figures the issue's targets name, then the 35B-A3B row (session 24's was cut by a 55 s limit)
+    timeout 200 python3 benchmarks/kernels.py --quick --only experts,int8,fp8 2>&1 | tail -30
+    timeout 100 python3 -m roofline.cli bench synthetic --shape qwen3.5-35b-a3b --repeats 10 --prefill 0 \
+      --engine-tokens 0 --batch-decode 0 --out "$OUT/$day-synthetic-qwen3.5-35b-a3b.json" 2>&1 | grep "context\|M=1"
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
@@ -75,9 +71,9 @@ case "${1:-}" in
     ROOFLINE_PDL=0 timeout 150 python3 benchmarks/profile_mtp_engine.py --shape qwen3.5-122b-a10b --steps 20 --no-profile \
       2>&1 | tail -40
     ;;
-  shapes)  # the 35B-A3B and 27B rows (decode at 0 / 8K / 32K, M rows), ~2 min
+  shapes)  # the 35B-A3B and 27B rows (decode at 0 / 8K / 32K, M rows), ~3 min
     for shape in qwen3.5-35b-a3b qwen3.5-27b; do
-      timeout 55 python3 -m roofline.cli bench synthetic --shape $shape --repeats 10 --prefill 0 --engine-tokens 0 \
+      timeout 100 python3 -m roofline.cli bench synthetic --shape $shape --repeats 10 --prefill 0 --engine-tokens 0 \
         --batch-decode 0 --out "$OUT/$day-synthetic-$shape.json" 2>&1 | grep "context\|M=1" | tail -5
     done
     ;;
