@@ -12,7 +12,8 @@
 #                                                   # (profile_mtp_engine.py, then unprofiled without PDL; H100,
 #                                                   # session 19: 6.81 ms a step, its GPU work) (~4 min)
 #   OUT=... bash benchmarks/experiments.sh shapes   # the 35B-A3B and 27B rows (~3 min)
-#   OUT=... bash benchmarks/experiments.sh tests    # the pooled-decode / fast-path / generate-CLI GPU files (~5 min)
+#   OUT=... bash benchmarks/experiments.sh tests    # the pooled-decode and fast-path GPU test files (~9 min);
+#                                                   # `tests-cli`: the generate-CLI and bench files
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
 #                                                   # experts kernels in 16-token chunks (~2 min)
 #   OUT=... bash benchmarks/experiments.sh attn     # decode attention's tile sweep at 8K / 32K (~2 min)
@@ -77,9 +78,11 @@ case "${1:-}" in
         --batch-decode 0 --out "$OUT/$day-synthetic-$shape.json" 2>&1 | grep "context\|M=1" | tail -5
     done
     ;;
-  tests)  # the files a 150 s limit cut in session 13; session 18's 240 + 150 s printed nothing useful: one file a call
-    for f in test_pooled_decode test_fast_path test_generate_cli test_bench_synthetic; do
-      echo "== $f"; gpu_tests 140 -m gpu "tests/$f.py" -x
+  tests|tests-cli)  # the GPU test files, two a call: at 140 s each, session 24 saw three of four cut while running
+    files="test_pooled_decode test_fast_path"
+    [ "$1" = tests-cli ] && files="test_generate_cli test_bench_synthetic"
+    for f in $files; do
+      echo "== $f"; gpu_tests 280 -m gpu "tests/$f.py" -x
     done
     ;;
   kernels)
@@ -102,7 +105,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|mtp|shapes|tests|kernels|attn|floor|ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|mtp|shapes|tests|tests-cli|kernels|attn|floor|ab|ab-order" >&2
     exit 2
     ;;
 esac
