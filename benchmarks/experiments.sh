@@ -52,7 +52,9 @@ gpu_tests() {  # time limit, pytest arguments...
   local limit=$1
   shift
   # SIGINT first: pytest then prints its summary (which test was running, the durations) instead of nothing
-  timeout -s INT -k 15 "$limit" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15
+  # one process (the device has no pytest-xdist, which the project's addopts ask for)
+  timeout -s INT -k 15 "$limit" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --durations=20" "$@" 2>&1 \
+    | tail -15
 }
 case "${1:-}" in
   next)  # the kernel figures the targets name (routed experts, INT8 LM head, FP8 shared expert)

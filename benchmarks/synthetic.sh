@@ -23,7 +23,7 @@ synthetic() {  # shape, time limit
     2>&1 | tee "$OUT/synthetic-$1.log" | tail -42
 }
 if [ "$TEST_LIMIT" != 0 ]; then
-  timeout "$TEST_LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider \
+  timeout "$TEST_LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" \
     tests/test_pooled_decode.py tests/test_fast_path.py tests/test_bench_synthetic.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
 fi
 # Since session 11 each shape also times prefill (a 4K prompt; the MoE shapes by both expert paths since session 12)
