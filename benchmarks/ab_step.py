@@ -23,8 +23,28 @@ import os
 import statistics
 from pathlib import Path
 
-# variant -> (the environment switch it mirrors, or for a measured default's previous behaviour the module constant it
-# sets as "module.ATTR=value", [(module, attribute, value while the variant runs)])
+
+def _no_shared_expert(mlp, x, norm=None):
+    """blocks.mlp_forward for the `timing-no-shared-expert` variant: zeros in place of the shared expert's output."""
+    import torch
+
+    return torch.zeros_like(x)
+
+
+def _no_routed_gate_up(x, ids, qweight, *args, **kwargs):
+    """int4_experts.experts_gate_up for `timing-no-routed-experts`: an unfilled act, no kernel."""
+    import torch
+
+    return torch.empty(x.shape[0], ids.shape[1], qweight.shape[-1] // 2, dtype=x.dtype, device=x.device)
+
+
+def _no_routed_down(act, *args, residual=None, **kwargs):
+    """int4_experts.experts_down for `timing-no-routed-experts`: the residual as the block's output, no kernel."""
+    return residual
+
+
+# variant -> (the environment switch it mirrors, or for a measured default's previous behaviour (or a timing-only
+# stand-in) the module attribute it sets as "module.ATTR=value", [(module, attribute, value while the variant runs)])
 VARIANTS = {
     "depth-one-row": ("ROOFLINE_INT4_DEPTH=one-row", [("roofline.kernels.int4_tc", "WIDE_TILES", None)]),
     "depth-2": ("ROOFLINE_INT4_DEPTH=2", [("roofline.kernels.int4_tc", "INT4_DEPTH", 2)]),
@@ -33,6 +53,14 @@ VARIANTS = {
     # verify rows without a K split
     "router-split": ("roofline.kernels.blocks.ROUTER_FEW_ROWS_CONFIG=None",
                      [("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG", None)]),
+    # session 24, timing only (its outputs are wrong): the MoE shared expert's three FP8 kernels on the second stream
+    # replaced by one zero-fill, so the difference is what the shared expert costs the step beside the routed chain
+    "timing-no-shared-expert": ("roofline.kernels.blocks.mlp_forward=zeros (timing only: wrong outputs)",
+                                [("roofline.kernels.blocks", "mlp_forward", _no_shared_expert)]),
+    # the same for the routed experts' two kernels (the router still runs): what they cost the step
+    "timing-no-routed-experts": ("roofline.kernels.int4_experts.experts_gate_up=none (timing only: wrong outputs)",
+                                 [("roofline.kernels.int4_experts", "experts_gate_up", _no_routed_gate_up),
+                                  ("roofline.kernels.int4_experts", "experts_down", _no_routed_down)]),
     "int4-split-verify": ("roofline.kernels.int4_tc.NO_SPLIT_MAX_ROWS=1",
                           [("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 1)]),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
