@@ -43,6 +43,36 @@ def _no_routed_down(act, *args, residual=None, **kwargs):
     return residual
 
 
+def _no_input_projections(projections, x):
+    """merge.Projections.__call__ for `timing-no-input-projections`: zeros of each part's width, no GEMV."""
+    return list(x.new_zeros(*x.shape[:-1], sum(projections.sizes)).split(projections.sizes, dim=-1))
+
+
+def _no_gdn_kernel(qkv, z, *args, **kwargs):
+    """mixers.gdn_decode for `timing-no-gdn-kernel`: zeros of the core output's shape, no recurrence."""
+    import torch
+
+    return torch.zeros_like(z)
+
+
+def _no_out_projection(weight, x, residual):
+    """mixers.out_projection for `timing-no-out-projections`: the residual as h (and unit sums of squares), no GEMV."""
+    import torch
+
+    if residual is None:
+        return x.new_zeros(*x.shape[:-1], weight.out_features)
+    return residual, torch.ones(residual.shape[-1] // 128, 4, dtype=torch.float32, device=x.device)
+
+
+def resolve(name: str):
+    """The module, or the class inside one ("package.module.Class"), that a variant's attribute belongs to."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        parent, _, attr = name.rpartition(".")
+        return getattr(resolve(parent), attr)
+
+
 # variant -> (the environment switch it mirrors, or for a measured default's previous behaviour (or a timing-only
 # stand-in) the module attribute it sets as "module.ATTR=value", [(module, attribute, value while the variant runs)])
 VARIANTS = {
@@ -61,6 +91,14 @@ VARIANTS = {
     "timing-no-routed-experts": ("roofline.kernels.int4_experts.experts_gate_up=none (timing only: wrong outputs)",
                                  [("roofline.kernels.int4_experts", "experts_gate_up", _no_routed_gate_up),
                                   ("roofline.kernels.int4_experts", "experts_down", _no_routed_down)]),
+    # and for the mixers' parts: the merged input projections (GDN in_proj_qkv+z and b/a, attention q/k/v), the GDN
+    # decode kernel, the out projections (GDN and attention, with the residual add and the norm's sums)
+    "timing-no-input-projections": ("roofline.kernels.merge.Projections.__call__=zeros (timing only: wrong outputs)",
+                                    [("roofline.kernels.merge.Projections", "__call__", _no_input_projections)]),
+    "timing-no-gdn-kernel": ("roofline.kernels.mixers.gdn_decode=zeros (timing only: wrong outputs)",
+                             [("roofline.kernels.mixers", "gdn_decode", _no_gdn_kernel)]),
+    "timing-no-out-projections": ("roofline.kernels.mixers.out_projection=residual (timing only: wrong outputs)",
+                                  [("roofline.kernels.mixers", "out_projection", _no_out_projection)]),
     "int4-split-verify": ("roofline.kernels.int4_tc.NO_SPLIT_MAX_ROWS=1",
                           [("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 1)]),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
@@ -81,7 +119,7 @@ def variant(name: str):
     saved = []
     try:
         for module_name, attr, value in VARIANTS[name][1]:
-            module = importlib.import_module(module_name)
+            module = resolve(module_name)
             if not hasattr(module, attr):
                 raise AttributeError(f"{module_name} has no {attr}: the variant {name!r} no longer matches the code")
             saved.append((module, attr, getattr(module, attr)))

@@ -2,9 +2,10 @@
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 24"), as phases that each fit one 10-minute
 # device call (session 20 on a warm H100: `first` 107 s, `mtp` 133 s, `next`'s old form 257 s with a cold start);
 # `next` first:
-#   OUT=... bash benchmarks/experiments.sh next     # nothing built waits for a GPU after session 24 (its runs are in
-#                                                   # NOTES-kernels.md): the kernel figures the issue's targets name,
-#                                                   # as a check of the next change against them (~2 min)
+#   OUT=... bash benchmarks/experiments.sh next     # where the non-expert part of the 122B step loses (session 24:
+#                                                   # 2.65 ms for 1.25 ms of bytes): ab_step's timing-only stand-ins
+#                                                   # for the input projections, the GDN kernel and the out
+#                                                   # projections, then the issue's kernel figures (~4 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -57,7 +58,9 @@ gpu_tests() {  # time limit, pytest arguments...
     | tail -15
 }
 case "${1:-}" in
-  next)  # the kernel figures the issue's targets name (routed experts, INT8 LM head, FP8 shared expert)
+  next)  # each stand-in's outputs are wrong by design: the differences are what each part costs the step
+    timeout 200 python3 benchmarks/ab_step.py --rounds 3 \
+      --variants timing-no-input-projections,timing-no-gdn-kernel,timing-no-out-projections 2>&1 | tail -12
     timeout 200 python3 benchmarks/kernels.py --quick --only experts,int8,fp8 2>&1 | tail -30
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile

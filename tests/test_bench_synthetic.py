@@ -253,11 +253,9 @@ def test_ab_step_variants_switch_the_flags_the_kernels_read_and_put_them_back():
     variant must name a flag the code still has (a rename would otherwise measure the default twice), and the
     defaults must come back after each, also when the timed block fails. Session 18's adopted defaults have variants
     that put the previous behaviour back (router-split, int4-split-verify)."""
-    import importlib
-
     ab = _ab_step()
     for name, (switch, flags) in ab.VARIANTS.items():
-        modules = [importlib.import_module(m) for m, _, _ in flags]
+        modules = [ab.resolve(m) for m, _, _ in flags]
         before = [getattr(mod, attr) for mod, (_, attr, _) in zip(modules, flags)]
         assert any(b != value for b, (_, _, value) in zip(before, flags)), f"{name} is the default"
         with pytest.raises(RuntimeError, match="timed block"):
