@@ -474,7 +474,6 @@ def _store_tile(out_ptr, res_ptr, ss_ptr, y0, y1, o0, o1, m0, m1, tok, tile, M, 
         tl.store(out_ptr + o1, y1.to(dt), mask=m1)
 
 
-
 def tc_supported(x: torch.Tensor, n: int, k: int, group_size: int, wn: int = 1, tensors=()) -> bool:
     """The tensor-core path: CUDA sm_80+ (or the interpreter), x bf16/fp16, group 128, N a multiple of 32*WN and 16.
 
