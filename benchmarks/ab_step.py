@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -64,6 +65,65 @@ def _no_out_projection(weight, x, residual):
     return residual, torch.ones(residual.shape[-1] // 128, 4, dtype=torch.float32, device=x.device)
 
 
+def _no_router(moe, x, norm=None):
+    """blocks._route for `timing-no-router`: fixed experts 0..k-1 at equal weights, no router kernel; the normed rows
+    the router's kernel would write stay unfilled. The constant tensors are made once per row count (a fill in the
+    first capture that needs them)."""
+    import torch
+
+    rows = x.reshape(-1, x.shape[-1]).shape[0]
+    key = (rows, moe.top_k, x.device)
+    if key not in _FIXED_ROUTES:
+        _FIXED_ROUTES[key] = (torch.arange(moe.top_k, device=x.device).expand(rows, -1).contiguous(),
+                              torch.full((rows, moe.top_k), 1 / moe.top_k, device=x.device),
+                              torch.zeros(rows, 1, dtype=x.dtype, device=x.device))
+    return _FIXED_ROUTES[key]
+
+
+_FIXED_ROUTES: dict = {}
+
+
+def _no_input_norm(x, weight, eps):
+    """small_ops.rms_norm for `timing-no-input-norm`: x itself, no kernel (also the final norm's, one launch)."""
+    return x
+
+
+def _no_attention_prologue(qg, k, v, *args):
+    """small_ops.attention_prologue for `timing-no-attention-kernels`: an unfilled q, no kernel (no KV write)."""
+    import torch
+
+    return torch.empty(qg.shape[0], qg.shape[1], k.shape[-1], dtype=qg.dtype, device=qg.device)
+
+
+def _no_decode_attention(q, *args, **kwargs):
+    """mixers.decode_attention for `timing-no-attention-kernels`: an unfilled output, no kernel."""
+    import torch
+
+    return torch.empty_like(q)
+
+
+class Wrap:
+    """A variant's value made from the attribute's own value when the variant starts (`make(original)`), for variants
+    that call the kernel with other settings."""
+
+    def __init__(self, make):
+        self.make = make
+
+
+def _calling_with(**settings):
+    """Wrap: the function called with these keyword arguments."""
+    return Wrap(lambda original: functools.partial(original, **settings))
+
+
+def _config_with(**settings):
+    """Wrap: the function called with these entries added to its `config` dict."""
+    def make(original):
+        def call(*args, config=None, **kwargs):
+            return original(*args, config={**(config or {}), **settings}, **kwargs)
+        return call
+    return Wrap(make)
+
+
 def resolve(name: str):
     """The module, or the class inside one ("package.module.Class"), that a variant's attribute belongs to."""
     try:
@@ -99,6 +159,24 @@ VARIANTS = {
                              [("roofline.kernels.mixers", "gdn_decode", _no_gdn_kernel)]),
     "timing-no-out-projections": ("roofline.kernels.mixers.out_projection=residual (timing only: wrong outputs)",
                                   [("roofline.kernels.mixers", "out_projection", _no_out_projection)]),
+    # session 25, timing only: the router (its GEMV and routing; fixed experts instead), each layer's input norm (and
+    # the final norm), the full-attention layers' prologue and attention kernels
+    "timing-no-router": ("roofline.kernels.blocks._route=fixed experts (timing only: wrong outputs)",
+                         [("roofline.kernels.blocks", "_route", _no_router)]),
+    "timing-no-input-norm": ("roofline.kernels.small_ops.rms_norm=identity (timing only: wrong outputs)",
+                             [("roofline.kernels.small_ops", "rms_norm", _no_input_norm)]),
+    "timing-no-attention-kernels": ("roofline.kernels.small_ops.attention_prologue=empty (timing only: wrong outputs)",
+                                    [("roofline.kernels.small_ops", "attention_prologue", _no_attention_prologue),
+                                     ("roofline.kernels.mixers", "decode_attention", _no_decode_attention)]),
+    # session 25, the GDN decode kernel's V block and warps, and the out projections' INT4 tiles, in the step
+    **{f"gdn-bv{bv}-w{w}": (f"roofline.kernels.mixers.gdn_decode=block_v {bv}, {w} warps",
+                            [("roofline.kernels.mixers", "gdn_decode", _calling_with(block_v=bv, num_warps=w))])
+       for bv, w in ((16, 4), (32, 4), (8, 2))},
+    **{f"out-proj-{name}": (f"roofline.kernels.int4_tc.int4_matmul_residual=config {cfg}",
+                            [("roofline.kernels.int4_tc", "int4_matmul_residual", _config_with(**cfg))])
+       for name, cfg in (("wn1", {"WN": 1, "KW": 4, "programs_per_sm": 6.0}),
+                         ("wn2", {"WN": 2, "KW": 2, "programs_per_sm": 6.0}),
+                         ("split16", {"programs_per_sm": 3.0}))},
     "int4-split-verify": ("roofline.kernels.int4_tc.NO_SPLIT_MAX_ROWS=1",
                           [("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 1)]),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
@@ -123,7 +201,7 @@ def variant(name: str):
             if not hasattr(module, attr):
                 raise AttributeError(f"{module_name} has no {attr}: the variant {name!r} no longer matches the code")
             saved.append((module, attr, getattr(module, attr)))
-            setattr(module, attr, value)
+            setattr(module, attr, value.make(getattr(module, attr)) if isinstance(value, Wrap) else value)
         yield
     finally:
         for module, attr, value in reversed(saved):

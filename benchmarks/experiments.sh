@@ -2,10 +2,9 @@
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 24"), as phases that each fit one 10-minute
 # device call (session 20 on a warm H100: `first` 107 s, `mtp` 133 s, `next`'s old form 257 s with a cold start);
 # `next` first:
-#   OUT=... bash benchmarks/experiments.sh next     # where the non-expert part of the 122B step loses (session 24:
-#                                                   # 2.65 ms for 1.25 ms of bytes): ab_step's timing-only stand-ins
-#                                                   # for the input projections, the GDN kernel and the out
-#                                                   # projections, then the issue's kernel figures (~4 min)
+#   OUT=... bash benchmarks/experiments.sh next     # what the router, the input norms and the attention kernels
+#                                                   # cost the 122B step (ab_step's timing-only stand-ins), and the
+#                                                   # GDN kernel's and out projections' configs in the step (~5 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -58,10 +57,11 @@ gpu_tests() {  # time limit, pytest arguments...
     | tail -15
 }
 case "${1:-}" in
-  next)  # each stand-in's outputs are wrong by design: the differences are what each part costs the step
-    timeout 200 python3 benchmarks/ab_step.py --rounds 3 \
-      --variants timing-no-input-projections,timing-no-gdn-kernel,timing-no-out-projections 2>&1 | tail -12
-    timeout 200 python3 benchmarks/kernels.py --quick --only experts,int8,fp8 2>&1 | tail -30
+  next)  # session 25: what the router, the input norms and the attention kernels cost the step (timing-only stand-ins,
+         # wrong outputs by design), then the GDN kernel's V block / warps and the out projections' tiles in the step
+    timeout 400 python3 benchmarks/ab_step.py --rounds 3 --variants \
+      timing-no-router,timing-no-input-norm,timing-no-attention-kernels,gdn-bv16-w4,gdn-bv32-w4,gdn-bv8-w2,out-proj-wn1,out-proj-wn2,out-proj-split16 \
+      2>&1 | tail -12
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
