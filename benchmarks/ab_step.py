@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import importlib
 import json
 import os
@@ -102,28 +101,6 @@ def _no_decode_attention(q, *args, **kwargs):
     return torch.empty_like(q)
 
 
-class Wrap:
-    """A variant's value made from the attribute's own value when the variant starts (`make(original)`), for variants
-    that call the kernel with other settings."""
-
-    def __init__(self, make):
-        self.make = make
-
-
-def _calling_with(**settings):
-    """Wrap: the function called with these keyword arguments."""
-    return Wrap(lambda original: functools.partial(original, **settings))
-
-
-def _config_with(**settings):
-    """Wrap: the function called with these entries added to its `config` dict."""
-    def make(original):
-        def call(*args, config=None, **kwargs):
-            return original(*args, config={**(config or {}), **settings}, **kwargs)
-        return call
-    return Wrap(make)
-
-
 def resolve(name: str):
     """The module, or the class inside one ("package.module.Class"), that a variant's attribute belongs to."""
     try:
@@ -168,15 +145,12 @@ VARIANTS = {
     "timing-no-attention-kernels": ("roofline.kernels.small_ops.attention_prologue=empty (timing only: wrong outputs)",
                                     [("roofline.kernels.small_ops", "attention_prologue", _no_attention_prologue),
                                      ("roofline.kernels.mixers", "decode_attention", _no_decode_attention)]),
-    # session 25, the GDN decode kernel's V block and warps, and the out projections' INT4 tiles, in the step
-    **{f"gdn-bv{bv}-w{w}": (f"roofline.kernels.mixers.gdn_decode=block_v {bv}, {w} warps",
-                            [("roofline.kernels.mixers", "gdn_decode", _calling_with(block_v=bv, num_warps=w))])
-       for bv, w in ((16, 4), (32, 4), (8, 2))},
-    **{f"out-proj-{name}": (f"roofline.kernels.int4_tc.int4_matmul_residual=config {cfg}",
-                            [("roofline.kernels.int4_tc", "int4_matmul_residual", _config_with(**cfg))])
-       for name, cfg in (("wn1", {"WN": 1, "KW": 4, "programs_per_sm": 6.0}),
-                         ("wn2", {"WN": 2, "KW": 2, "programs_per_sm": 6.0}),
-                         ("split16", {"programs_per_sm": 3.0}))},
+    # session 25's verify-step defaults against what they replaced: the GDN kernel's tile at 2..5 tokens, the out
+    # projections' K split at 2..4 rows
+    "gdn-verify-tile-16x2": ("roofline.kernels.gdn_decode.VERIFY_TILE=(16, 2)",
+                             [("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2))]),
+    "out-proj-verify-2-per-sm": ("roofline.kernels.int4_tc.RESIDUAL_ROWS_PROGRAMS_PER_SM=2.0",
+                                 [("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0)]),
     "int4-split-verify": ("roofline.kernels.int4_tc.NO_SPLIT_MAX_ROWS=1",
                           [("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 1)]),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
@@ -201,7 +175,7 @@ def variant(name: str):
             if not hasattr(module, attr):
                 raise AttributeError(f"{module_name} has no {attr}: the variant {name!r} no longer matches the code")
             saved.append((module, attr, getattr(module, attr)))
-            setattr(module, attr, value.make(getattr(module, attr)) if isinstance(value, Wrap) else value)
+            setattr(module, attr, value)
         yield
     finally:
         for module, attr, value in reversed(saved):

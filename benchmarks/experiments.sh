@@ -2,9 +2,9 @@
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 24"), as phases that each fit one 10-minute
 # device call (session 20 on a warm H100: `first` 107 s, `mtp` 133 s, `next`'s old form 257 s with a cold start);
 # `next` first:
-#   OUT=... bash benchmarks/experiments.sh next     # what the router, the input norms and the attention kernels
-#                                                   # cost the 122B step (ab_step's timing-only stand-ins), and the
-#                                                   # GDN kernel's and out projections' configs in the step (~5 min)
+#   OUT=... bash benchmarks/experiments.sh next     # session 25's verify-step tiles (the GDN kernel's, the out
+#                                                   # projections' K split) against the ones they replaced, then
+#                                                   # the GPU tests they touch (~8 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -57,11 +57,11 @@ gpu_tests() {  # time limit, pytest arguments...
     | tail -15
 }
 case "${1:-}" in
-  next)  # session 25: what the router, the input norms and the attention kernels cost the step (timing-only stand-ins,
-         # wrong outputs by design), then the GDN kernel's V block / warps and the out projections' tiles in the step
-    timeout 400 python3 benchmarks/ab_step.py --rounds 3 --variants \
-      timing-no-router,timing-no-input-norm,timing-no-attention-kernels,gdn-bv16-w4,gdn-bv32-w4,gdn-bv8-w2,out-proj-wn1,out-proj-wn2,out-proj-split16 \
-      2>&1 | tail -12
+  next)  # session 25's verify-step tiles against the ones they replaced (3 rounds), then the GPU tests they touch
+    timeout 200 python3 benchmarks/ab_step.py --rounds 3 --variants gdn-verify-tile-16x2,out-proj-verify-2-per-sm \
+      2>&1 | tail -6
+    echo "== test_kernels gdn / residual"; gpu_tests 200 -m gpu tests/test_kernels.py -k "gdn or residual" -x
+    echo "== test_pooled_decode"; gpu_tests 240 -m gpu tests/test_pooled_decode.py -x
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from roofline.kernels import _common  # noqa: E402
+from roofline.kernels import _common, gdn_decode as gdn_decode_module  # noqa: E402
 from roofline.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from roofline.kernels.fp8_gemv import dense_matmul, fp8_matmul, fp8_matmul_reference, router_top_k  # noqa: E402
 from roofline.engine.cache import step_record_size  # noqa: E402
@@ -864,10 +864,10 @@ def test_gdn_decode_pool_gpu(m, merged):
                    two_buffers=m > 1)
 
 
-def check_gdn_replay(bsz, m, hk, hv, dk, dv, dtype, device, block_v=None):
+def check_gdn_replay(bsz, m, hk, hv, dk, dv, dtype, device, block_v=None, num_warps=None):
     """gdn_replay after an M-token verify step (two layers, two state buffers per slot): for every kept < M it rebuilds
-    in the spare row the state that the same kernel leaves after only the first `kept` tokens, bit for bit, from the
-    untouched state before the step and the step's records."""
+    in the spare row the state that the same kernel (the same tile) leaves after only the first `kept` tokens, bit for
+    bit, from the untouched state before the step and the step's records."""
     layers, pool, kernel = 2, bsz + 1, 4
     states = torch.zeros(layers, 2 * pool, hv, dk, dv, device=device)
     records = torch.full((layers, bsz * (m - 1) + 1, step_record_size(hk, dk, hv, dv)), float("nan"), device=device)
@@ -880,7 +880,8 @@ def check_gdn_replay(bsz, m, hk, hv, dk, dv, dtype, device, block_v=None):
         conv = pools["conv_state"].clone()
         gdn_decode(inp["qkv"], inp["z"], inp["b"], inp["a"], conv, fixed["conv_weight"], fixed["A_log"],
                    fixed["dt_bias"], fixed["norm_weight"], states[layer], hk, slots=slots, state_rows=(read, write),
-                   tokens_per_seq=m, step_records=records[layer, 1:].view(bsz, m - 1, -1), block_v=block_v)
+                   tokens_per_seq=m, step_records=records[layer, 1:].view(bsz, m - 1, -1), block_v=block_v,
+                   num_warps=num_warps)
         per_layer.append((fixed, pools, inp))
     for i in range(bsz):
         for kept in range(1, m):
@@ -891,7 +892,7 @@ def check_gdn_replay(bsz, m, hk, hv, dk, dv, dtype, device, block_v=None):
                 rows = lambda t: t.view(bsz, m, -1)[:, :kept].reshape(bsz * kept, -1)  # noqa: E731
                 gdn_decode(rows(inp["qkv"]), rows(inp["z"]), rows(inp["b"]), rows(inp["a"]), pools["conv_state"][slots],
                            fixed["conv_weight"], fixed["A_log"], fixed["dt_bias"], fixed["norm_weight"], want, hk,
-                           tokens_per_seq=kept, block_v=block_v)
+                           tokens_per_seq=kept, block_v=block_v, num_warps=num_warps)
                 assert torch.equal(states[layer, scratch], want[i]), f"sequence {i}, kept {kept}, layer {layer}"
     assert torch.equal(records[:, 0].isnan(), torch.ones_like(records[:, 0], dtype=torch.bool)), "record 0 untouched"
 
@@ -904,8 +905,11 @@ def test_gdn_replay_interpreter(bsz, m, hk, hv, dk, dv):
 
 @gpu
 @pytest.mark.parametrize("m", [2, 3, 4])
-def test_gdn_replay_gpu(m):
-    check_gdn_replay(2, m, 16, 64, 128, 128, torch.bfloat16, GPU)
+@pytest.mark.parametrize("tile", [gdn_decode_module.ONE_TOKEN_TILE, gdn_decode_module.VERIFY_TILE])
+def test_gdn_replay_gpu(m, tile):
+    """Both (V block, warps) tiles: the comparison's one-token run takes the verify's tile, since the reductions over
+    dk (and so the bits) depend on it."""
+    check_gdn_replay(2, m, 16, 64, 128, 128, torch.bfloat16, GPU, *tile)
 
 
 def _apply_records(state, records, num_k_heads, kept):

@@ -54,6 +54,12 @@ from ._common import (INTERPRET, arrive, counters_for, next_pow2, pdl_options, r
                       wait_for_inputs)
 
 MAX_TOKENS = 5  # tokens per sequence in one step (1 decode token + up to 4 MTP drafts)
+# (V block, warps) of a program on the GPU: one token per sequence, and a verify step's several. H100, session 25
+# (benchmarks/ab_step.py, 122B, 3 rounds, graph ms): the M = 3 verify step 5.134 -> 5.062 at (32, 4); at M = 1 (32, 4)
+# was 0.025 slower, (16, 4) 0.011 and (8, 2) 0.056. The reductions over dk depend on the tile, so a verify step's
+# bits differ from one-token steps' (gdn_replay redoes the verify's own updates from its records: unaffected).
+ONE_TOKEN_TILE = (16, 2)
+VERIFY_TILE = (32, 4)
 
 
 def _check_step_outputs(bsz, m, conv_state, state, num_k_heads, step_records, step_conv):
@@ -327,10 +333,12 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     save_conv = step_conv is not None and m > 1
     kernel = conv_state.shape[1] + 1
     group = hv // num_k_heads
-    # 512 programs per sequence at 122B shapes; the interpreter runs programs one after another, so there one
-    # V block per head (the split-V path is tested with an explicit block_v); either way every program writes its o to
-    # the workspace and the key head's last program runs the gated norms, so the interpreter runs the GPU's code path
-    bv = block_v or (16 if not INTERPRET else next_pow2(dv))
+    # 512 programs per sequence at 122B shapes (256 for a verify step); the interpreter runs programs one after
+    # another, so there one V block per head (the split-V path is tested with an explicit block_v); either way every
+    # program writes its o to the workspace and the key head's last program runs the gated norms, so the interpreter
+    # runs the GPU's code path
+    tile_v, warps = ONE_TOKEN_TILE if m == 1 else VERIFY_TILE
+    bv = block_v or (tile_v if not INTERPRET else next_pow2(dv))
     nvb = triton.cdiv(dv, bv)
     if out is None:
         out = torch.empty(n, hv * dv, dtype=qkv.dtype, device=qkv.device)
@@ -344,7 +352,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_, step_record_size(num_k_heads, dk, hv, dv),
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
         CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps,
-        SAVE_CONV=save_conv, num_warps=num_warps or (2 if not INTERPRET else 1), **pdl_options(qkv.device),
+        SAVE_CONV=save_conv, num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
     )
     return out
 

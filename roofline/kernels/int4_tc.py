@@ -540,6 +540,12 @@ def one_buffer_loop(rows: int, n: int = 0) -> bool:
     return rows == 1 or (WIDE_TILES is not None and n >= WIDE_TILES * 128)
 
 
+# Programs per SM of int4_matmul_residual (the MoE models' out projections) at 2..4 rows, in place of
+# default_tc_config's 2: H100, session 25 (ab_step, 122B, 3 rounds), 3 took the M = 3 verify graph 5.134 -> 5.068 ms
+# (out_proj's K split 11 -> 16); at one row (6 a SM, split 32) 3 was 0.105 ms slower.
+RESIDUAL_ROWS_PROGRAMS_PER_SM = 3.0
+
+
 def default_tc_config(m: int, n: int, k: int) -> dict:
     """4 warps of 32 columns (128 columns a program), one group per warp-step; K split to ~4 programs per SM
     at one row, ~2 from two (H200 sweep, run 3a: in_proj_qkv M=4 13.5 us at 2 vs 14.1 at 4; out_proj
@@ -581,6 +587,8 @@ def int4_matmul_residual(x: torch.Tensor, qweight, qzeros, scales, residual: tor
     n = qweight.shape[1]
     x2, lead = decode_rows(x, k, "int4_matmul_residual")
     cfg = default_tc_config(x2.shape[0], n, k)
+    if x2.shape[0] > 1 and "programs_per_sm" in cfg:
+        cfg["programs_per_sm"] = RESIDUAL_ROWS_PROGRAMS_PER_SM
     cfg.update(config or {})
     if not tc_supported(x2, n, k, GROUP, cfg["WN"], (qweight, qzeros, scales)):
         raise ValueError(f"int4_matmul_residual: [{n}, {k}] on {x2.shape[0]} {x.dtype} rows is not a tensor-core call")
