@@ -57,11 +57,9 @@ gpu_tests() {  # time limit, pytest arguments...
     | tail -15
 }
 case "${1:-}" in
-  next)  # session 25's verify-step tiles against the ones they replaced (3 rounds), then the GPU tests they touch
-    timeout 200 python3 benchmarks/ab_step.py --rounds 3 --variants gdn-verify-tile-16x2,out-proj-verify-2-per-sm \
-      2>&1 | tail -6
-    echo "== test_kernels gdn / residual"; gpu_tests 200 -m gpu tests/test_kernels.py -k "gdn or residual" -x
-    echo "== test_pooled_decode"; gpu_tests 240 -m gpu tests/test_pooled_decode.py -x
+  next)  # session 25's verify-step knobs around its new defaults: the router's rows config, the GDN tile, out_proj's split
+    timeout 300 python3 benchmarks/ab_step.py --rounds 3 --variants \
+      gdn-verify-tile-32x8,gdn-verify-tile-64x4,out-proj-verify-4-per-sm,router-rows-bk512-w4,router-rows-whole-k 2>&1 | tail -8
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
