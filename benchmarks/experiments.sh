@@ -2,9 +2,8 @@
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 24"), as phases that each fit one 10-minute
 # device call (session 20 on a warm H100: `first` 107 s, `mtp` 133 s, `next`'s old form 257 s with a cold start);
 # `next` first:
-#   OUT=... bash benchmarks/experiments.sh next     # session 25's verify-step tiles (the GDN kernel's, the out
-#                                                   # projections' K split) against the ones they replaced, then
-#                                                   # the GPU tests they touch (~8 min)
+#   OUT=... bash benchmarks/experiments.sh next     # the 35B-A3B and 27B rows, then the fast path's GPU tests
+#                                                   # (~8 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -57,9 +56,12 @@ gpu_tests() {  # time limit, pytest arguments...
     | tail -15
 }
 case "${1:-}" in
-  next)  # session 25's verify-step knobs around its new defaults: the router's rows config, the GDN tile, out_proj's split
-    timeout 300 python3 benchmarks/ab_step.py --rounds 3 --variants \
-      gdn-verify-tile-32x8,gdn-verify-tile-64x4,out-proj-verify-4-per-sm,router-rows-bk512-w4,router-rows-whole-k 2>&1 | tail -8
+  next)  # session 25's defaults on the other shapes, then the engine-level GPU tests (the MTP verify through the fast path)
+    for shape in qwen3.5-35b-a3b qwen3.5-27b; do
+      timeout 100 python3 -m roofline.cli bench synthetic --shape $shape --repeats 10 --prefill 0 --engine-tokens 0 \
+        --batch-decode 0 --out "$OUT/$day-synthetic-$shape.json" 2>&1 | grep "context\|M=1\|^| [0-9]" | tail -12
+    done
+    echo "== test_fast_path"; gpu_tests 280 -m gpu tests/test_fast_path.py -x
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
