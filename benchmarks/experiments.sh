@@ -57,10 +57,7 @@ gpu_tests() {  # time limit, pytest arguments...
 }
 case "${1:-}" in
   next)  # session 25's defaults on the other shapes, then the engine-level GPU tests (the MTP verify through the fast path)
-    for shape in qwen3.5-35b-a3b qwen3.5-27b; do
-      timeout 100 python3 -m roofline.cli bench synthetic --shape $shape --repeats 10 --prefill 0 --engine-tokens 0 \
-        --batch-decode 0 --out "$OUT/$day-synthetic-$shape.json" 2>&1 | grep "context\|M=1\|^| [0-9]" | tail -12
-    done
+    bash "$0" shapes
     echo "== test_fast_path"; gpu_tests 280 -m gpu tests/test_fast_path.py -x
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
@@ -78,7 +75,7 @@ case "${1:-}" in
   shapes)  # the 35B-A3B and 27B rows (decode at 0 / 8K / 32K, M rows), ~3 min
     for shape in qwen3.5-35b-a3b qwen3.5-27b; do
       timeout 100 python3 -m roofline.cli bench synthetic --shape $shape --repeats 10 --prefill 0 --engine-tokens 0 \
-        --batch-decode 0 --out "$OUT/$day-synthetic-$shape.json" 2>&1 | grep "context\|M=1" | tail -5
+        --batch-decode 0 --out "$OUT/$day-synthetic-$shape.json" 2>&1 | grep "context\|M=1\|^| [0-9]" | tail -12
     done
     ;;
   tests|tests-cli)  # the GPU test files, two a call: at 140 s each, session 24 saw three of four cut while running
