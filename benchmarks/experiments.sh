@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 24"), as phases that each fit one 10-minute
+# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 25"), as phases that each fit one 10-minute
 # device call (session 20 on a warm H100: `first` 107 s, `mtp` 133 s, `next`'s old form 257 s with a cold start);
 # `next` first:
 #   OUT=... bash benchmarks/experiments.sh next     # the 35B-A3B and 27B rows, then the fast path's GPU tests
