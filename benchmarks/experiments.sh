@@ -2,8 +2,8 @@
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 25"), as phases that each fit one 10-minute
 # device call (session 20 on a warm H100: `first` 107 s, `mtp` 133 s, `next`'s old form 257 s with a cold start);
 # `next` first:
-#   OUT=... bash benchmarks/experiments.sh next     # the 35B-A3B and 27B rows, then the fast path's GPU tests
-#                                                   # (~8 min)
+#   OUT=... bash benchmarks/experiments.sh next     # the GPU test files not run at session 25's verify tiles
+#                                                   # (`tests-cli`, ~9 min); NOTES "Session 25" lists what to build
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -56,9 +56,8 @@ gpu_tests() {  # time limit, pytest arguments...
     | tail -15
 }
 case "${1:-}" in
-  next)  # session 25's defaults on the other shapes, then the engine-level GPU tests (the MTP verify through the fast path)
-    bash "$0" shapes
-    echo "== test_fast_path"; gpu_tests 280 -m gpu tests/test_fast_path.py -x
+  next)  # the GPU test files session 25 did not run at its verify tiles (the generate CLI's, the bench's)
+    bash "$0" tests-cli
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
