@@ -140,6 +140,7 @@ def test_engine_loop_measures_async_scheduling_on_the_synthetic_model():
     rows = engine_loop(model, tokens=5, warmup=1, prompt_tokens=4)
     mtp = rows.pop()  # the tiny shape has an MTP head: greedy MTP-2 through the engine, the same tokens
     assert mtp["mtp"] == 2 and mtp["tokens"] == 5 and mtp["tokens_equal_without_mtp"] and mtp["ms_per_step"] > 0
+    assert mtp["first_difference_without_mtp"] is None
     assert mtp["slowest_step_ms"] >= mtp["ms_per_step"]
     assert 1 <= mtp["tokens_per_step"] <= 3 and len(mtp["acceptance"]) == 2
     assert [(r["sampling"], r["async_scheduling"]) for r in rows] == [
@@ -236,6 +237,23 @@ def test_the_command_writes_what_was_measured_and_exits_non_zero_when_a_part_fai
     assert main(["bench", "synthetic", "--shape", "qwen3.5-122b-a10b", "--out", str(out)]) == 1
     assert json.loads(out.read_text())["errors"] == result["errors"]
     assert "bench synthetic: prefill failed" in capsys.readouterr().err
+
+
+def test_first_difference_names_where_the_mtp_tokens_leave_the_greedy_ones():
+    """The engine loop's MTP row says from which token its output differs from greedy decoding without MTP, and the
+    report prints it."""
+    from roofline.bench.synthetic import first_difference, format_report
+
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 4, 5], [1, 2, 3, 5]) == 2
+    assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([7], [1]) == 0
+    recorded = Path(__file__).parents[1] / "benchmarks/results/2026-12-06-synthetic-qwen3.5-122b-a10b-h100-session25.json"
+    result = json.loads(recorded.read_text())
+    row = next(e for e in result["engine_loop"] if "mtp" in e)
+    assert "first_difference_without_mtp" not in row  # recorded before the field: the line says nothing more
+    assert "tokens NOT as without MTP\n" in format_report(result) + "\n"
+    row.update(tokens_equal_without_mtp=False, first_difference_without_mtp=37)
+    assert f"tokens NOT as without MTP from token 37 of {row['tokens']}" in format_report(result)
 
 
 def _ab_step():

@@ -431,6 +431,14 @@ def _engine_steps(model, tokens: int, warmup: int, prompt_tokens: int, sampling:
     return engine, seq, timing
 
 
+def first_difference(tokens: list[int], reference: list[int]) -> int | None:
+    """The index of the first token where `tokens` and `reference` differ (the shorter one's length where one is a
+    prefix of the other), None where they are equal."""
+    if tokens == reference:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+
+
 def engine_loop(model, tokens: int = 256, warmup: int = 16, prompt_tokens: int = 16, mtp: int = 2) -> list[dict]:
     """Per sampling mode and async scheduling off / on: ms per token of `Engine.step` decoding one sequence, the
     steps launched ahead, and whether the tokens equal those with async scheduling off (they must). With an MTP
@@ -455,7 +463,8 @@ def engine_loop(model, tokens: int = 256, warmup: int = 16, prompt_tokens: int =
                      "steps": t["steps"], "slowest_step_ms": t["slowest_step_ms"], "gc_runs": t["gc_runs"],
                      "gc_ms": t["gc_ms"],
                      "tokens_per_step": spec.mean_accepted_length(), "acceptance": spec.acceptance_rates(),
-                     "tokens_equal_without_mtp": seq.output_ids == greedy_tokens})
+                     "tokens_equal_without_mtp": seq.output_ids == greedy_tokens,
+                     "first_difference_without_mtp": first_difference(seq.output_ids, greedy_tokens)})
     return rows
 
 
@@ -760,7 +769,9 @@ def format_report(r: dict) -> str:
                              + (f", the slowest {e['slowest_step_ms']:.3f} ms" if "slowest_step_ms" in e else "")
                              + f", {e['tokens_per_step']:.2f} tokens per step (random weights: acceptance "
                              f"{', '.join(f'{a:.2f}' for a in e['acceptance'])}); tokens "
-                             + ("as" if e["tokens_equal_without_mtp"] else "NOT as") + " without MTP")
+                             + ("as" if e["tokens_equal_without_mtp"] else "NOT as") + " without MTP"
+                             + (f" from token {e['first_difference_without_mtp']} of {e['tokens']}"
+                                if e.get("first_difference_without_mtp") is not None else ""))
     lines.append(f"\npeak GPU memory {_gib(r['peak_memory_bytes'])} GiB (cache pool for {r['capacity_tokens']} tokens: "
                  f"{r['pool_bytes'] / 2**30:.2f} GiB)")
     if r.get("graph_captures"):
