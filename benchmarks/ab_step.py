@@ -64,6 +64,9 @@ def _no_out_projection(weight, x, residual):
     return residual, torch.ones(residual.shape[-1] // 128, 4, dtype=torch.float32, device=x.device)
 
 
+_FIXED_ROUTES: dict = {}  # (rows, top_k, device) -> _no_router's constant tensors
+
+
 def _no_router(moe, x, norm=None):
     """blocks._route for `timing-no-router`: fixed experts 0..k-1 at equal weights, no router kernel; the normed rows
     the router's kernel would write stay unfilled. The constant tensors are made once per row count (a fill in the
@@ -77,9 +80,6 @@ def _no_router(moe, x, norm=None):
                               torch.full((rows, moe.top_k), 1 / moe.top_k, device=x.device),
                               torch.zeros(rows, 1, dtype=x.dtype, device=x.device))
     return _FIXED_ROUTES[key]
-
-
-_FIXED_ROUTES: dict = {}
 
 
 def _no_input_norm(x, weight, eps):
@@ -110,6 +110,18 @@ def resolve(name: str):
         return getattr(resolve(parent), attr)
 
 
+def _previous_default(module: str, attr: str, value) -> tuple[str, list]:
+    """A measured default's previous value as a variant: its "module.ATTR=value" label and its one flag."""
+    return f"{module}.{attr}={value}", [(module, attr, value)]
+
+
+def _timing_only(what: str, *stand_ins: tuple) -> tuple[str, list]:
+    """A timing-only variant (its outputs are wrong by design): the stand-ins (module, attribute, replacement), labelled
+    by the first one's attribute and `what` it returns in place of the part."""
+    module, attr, _ = stand_ins[0]
+    return f"{module}.{attr}={what} (timing only: wrong outputs)", list(stand_ins)
+
+
 # variant -> (the environment switch it mirrors, or for a measured default's previous behaviour (or a timing-only
 # stand-in) the module attribute it sets as "module.ATTR=value", [(module, attribute, value while the variant runs)])
 VARIANTS = {
@@ -118,41 +130,33 @@ VARIANTS = {
     "router-two-rows": ("ROOFLINE_ROUTER_ROWS=2", [("roofline.kernels.blocks", "FUSED_ROUTE_ROWS", 2)]),
     # session 18's defaults against what they replaced: the router's 1-2 rows on the split config, no INT4 GEMV of the
     # verify rows without a K split
-    "router-split": ("roofline.kernels.blocks.ROUTER_FEW_ROWS_CONFIG=None",
-                     [("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG", None)]),
-    # session 24, timing only (its outputs are wrong): the MoE shared expert's three FP8 kernels on the second stream
-    # replaced by one zero-fill, so the difference is what the shared expert costs the step beside the routed chain
-    "timing-no-shared-expert": ("roofline.kernels.blocks.mlp_forward=zeros (timing only: wrong outputs)",
-                                [("roofline.kernels.blocks", "mlp_forward", _no_shared_expert)]),
+    "router-split": _previous_default("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG", None),
+    "int4-split-verify": _previous_default("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 1),
+    # session 24, timing only: the MoE shared expert's three FP8 kernels on the second stream replaced by one
+    # zero-fill, so the difference is what the shared expert costs the step beside the routed chain
+    "timing-no-shared-expert": _timing_only("zeros", ("roofline.kernels.blocks", "mlp_forward", _no_shared_expert)),
     # the same for the routed experts' two kernels (the router still runs): what they cost the step
-    "timing-no-routed-experts": ("roofline.kernels.int4_experts.experts_gate_up=none (timing only: wrong outputs)",
-                                 [("roofline.kernels.int4_experts", "experts_gate_up", _no_routed_gate_up),
-                                  ("roofline.kernels.int4_experts", "experts_down", _no_routed_down)]),
+    "timing-no-routed-experts": _timing_only(
+        "none", ("roofline.kernels.int4_experts", "experts_gate_up", _no_routed_gate_up),
+        ("roofline.kernels.int4_experts", "experts_down", _no_routed_down)),
     # and for the mixers' parts: the merged input projections (GDN in_proj_qkv+z and b/a, attention q/k/v), the GDN
     # decode kernel, the out projections (GDN and attention, with the residual add and the norm's sums)
-    "timing-no-input-projections": ("roofline.kernels.merge.Projections.__call__=zeros (timing only: wrong outputs)",
-                                    [("roofline.kernels.merge.Projections", "__call__", _no_input_projections)]),
-    "timing-no-gdn-kernel": ("roofline.kernels.mixers.gdn_decode=zeros (timing only: wrong outputs)",
-                             [("roofline.kernels.mixers", "gdn_decode", _no_gdn_kernel)]),
-    "timing-no-out-projections": ("roofline.kernels.mixers.out_projection=residual (timing only: wrong outputs)",
-                                  [("roofline.kernels.mixers", "out_projection", _no_out_projection)]),
+    "timing-no-input-projections": _timing_only(
+        "zeros", ("roofline.kernels.merge.Projections", "__call__", _no_input_projections)),
+    "timing-no-gdn-kernel": _timing_only("zeros", ("roofline.kernels.mixers", "gdn_decode", _no_gdn_kernel)),
+    "timing-no-out-projections": _timing_only(
+        "residual", ("roofline.kernels.mixers", "out_projection", _no_out_projection)),
     # session 25, timing only: the router (its GEMV and routing; fixed experts instead), each layer's input norm (and
     # the final norm), the full-attention layers' prologue and attention kernels
-    "timing-no-router": ("roofline.kernels.blocks._route=fixed experts (timing only: wrong outputs)",
-                         [("roofline.kernels.blocks", "_route", _no_router)]),
-    "timing-no-input-norm": ("roofline.kernels.small_ops.rms_norm=identity (timing only: wrong outputs)",
-                             [("roofline.kernels.small_ops", "rms_norm", _no_input_norm)]),
-    "timing-no-attention-kernels": ("roofline.kernels.small_ops.attention_prologue=empty (timing only: wrong outputs)",
-                                    [("roofline.kernels.small_ops", "attention_prologue", _no_attention_prologue),
-                                     ("roofline.kernels.mixers", "decode_attention", _no_decode_attention)]),
+    "timing-no-router": _timing_only("fixed experts", ("roofline.kernels.blocks", "_route", _no_router)),
+    "timing-no-input-norm": _timing_only("identity", ("roofline.kernels.small_ops", "rms_norm", _no_input_norm)),
+    "timing-no-attention-kernels": _timing_only(
+        "empty", ("roofline.kernels.small_ops", "attention_prologue", _no_attention_prologue),
+        ("roofline.kernels.mixers", "decode_attention", _no_decode_attention)),
     # session 25's verify-step defaults against what they replaced: the GDN kernel's tile at 2..5 tokens, the out
     # projections' K split at 2..4 rows
-    "gdn-verify-tile-16x2": ("roofline.kernels.gdn_decode.VERIFY_TILE=(16, 2)",
-                             [("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2))]),
-    "out-proj-verify-2-per-sm": ("roofline.kernels.int4_tc.RESIDUAL_ROWS_PROGRAMS_PER_SM=2.0",
-                                 [("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0)]),
-    "int4-split-verify": ("roofline.kernels.int4_tc.NO_SPLIT_MAX_ROWS=1",
-                          [("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 1)]),
+    "gdn-verify-tile-16x2": _previous_default("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2)),
+    "out-proj-verify-2-per-sm": _previous_default("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),
