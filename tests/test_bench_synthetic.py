@@ -93,6 +93,8 @@ def test_synthetic_command_on_gpu(tmp_path):
     assert [e["steps_launched_ahead"] for e in loop[:4]] == [0, 39, 0, 39]
     assert [e["tokens_equal_async_off"] for e in loop[:4]] == [None, True, None, True]
     assert loop[4]["mtp"] == 2 and loop[4]["ms_per_step"] > 0 and loop[4]["modelled_step_ms"] > 0
+    first = loop[4]["first_difference_without_mtp"]  # where the MTP tokens leave greedy decoding, None if nowhere
+    assert (first is None) == loop[4]["tokens_equal_without_mtp"] and (first is None or 0 <= first <= 40)
     captures = {(c["batch"], c["m"], c["span"]) for c in r["graph_captures"]}  # each capture timed
     assert {(1, 1, 1024), (1, 3, 1024)} <= captures
     assert all(c["seconds"] > 0 for c in r["graph_captures"])
