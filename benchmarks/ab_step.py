@@ -128,8 +128,9 @@ def resolve(name: str):
         return getattr(resolve(parent), attr)
 
 
-def _previous_default(module: str, attr: str, value) -> tuple[str, list]:
-    """A measured default's previous value as a variant: its "module.ATTR=value" label and its one flag."""
+def _module_setting(module: str, attr: str, value) -> tuple[str, list]:
+    """A module constant set to `value` (a measured default's previous value, or a candidate) as a variant: its
+    "module.ATTR=value" label and its one flag."""
     return f"{module}.{attr}={value}", [(module, attr, value)]
 
 
@@ -148,8 +149,8 @@ VARIANTS = {
     "router-two-rows": ("ROOFLINE_ROUTER_ROWS=2", [("roofline.kernels.blocks", "FUSED_ROUTE_ROWS", 2)]),
     # session 18's defaults against what they replaced: the router's 1-2 rows on the split config, no INT4 GEMV of the
     # verify rows without a K split
-    "router-split": _previous_default("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG", None),
-    "int4-split-verify": _previous_default("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 1),
+    "router-split": _module_setting("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG", None),
+    "int4-split-verify": _module_setting("roofline.kernels.int4_tc", "NO_SPLIT_MAX_ROWS", 1),
     # session 24, timing only: the MoE shared expert's three FP8 kernels on the second stream replaced by one
     # zero-fill, so the difference is what the shared expert costs the step beside the routed chain
     "timing-no-shared-expert": _timing_only("zeros", ("roofline.kernels.blocks", "mlp_forward", _no_shared_expert)),
@@ -175,10 +176,15 @@ VARIANTS = {
     # waits on its join): what it costs the step (timing only), and the same GEMV on the main stream before in_proj
     "timing-no-b-a": _timing_only("zeros", ("roofline.kernels.mixers", "beside", _no_b_a)),
     "b-a-main-stream": ("roofline.kernels.mixers.beside=main stream", [("roofline.kernels.mixers", "beside", _on_main_stream)]),
+    # session 26: the router's GEMV and routing on one warp a program (its last program's top-k then reduces within
+    # the warp, no cross-warp round per choice): 1-2 rows on 257 programs of 1 x 1024, 3-4 rows on BK 256
+    "router-one-warp": _module_setting("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG",
+                                       {"BN": 1, "BK": 1024, "num_warps": 1, "SPLIT_K": 1}),
+    "router-rows-one-warp": _module_setting("roofline.kernels.blocks", "ROUTER_ROWS_CONFIG", {"BK": 256, "num_warps": 1}),
     # session 25's verify-step defaults against what they replaced: the GDN kernel's tile at 2..5 tokens, the out
     # projections' K split at 2..4 rows
-    "gdn-verify-tile-16x2": _previous_default("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2)),
-    "out-proj-verify-2-per-sm": _previous_default("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
+    "gdn-verify-tile-16x2": _module_setting("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2)),
+    "out-proj-verify-2-per-sm": _module_setting("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),
