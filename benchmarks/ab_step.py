@@ -176,11 +176,6 @@ VARIANTS = {
     # waits on its join): what it costs the step (timing only), and the same GEMV on the main stream before in_proj
     "timing-no-b-a": _timing_only("zeros", ("roofline.kernels.mixers", "beside", _no_b_a)),
     "b-a-main-stream": ("roofline.kernels.mixers.beside=main stream", [("roofline.kernels.mixers", "beside", _on_main_stream)]),
-    # session 26: the router's GEMV and routing on one warp a program (its last program's top-k then reduces within
-    # the warp, no cross-warp round per choice): 1-2 rows on 257 programs of 1 x 1024, 3-4 rows on BK 256
-    "router-one-warp": _module_setting("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG",
-                                       {"BN": 1, "BK": 1024, "num_warps": 1, "SPLIT_K": 1}),
-    "router-rows-one-warp": _module_setting("roofline.kernels.blocks", "ROUTER_ROWS_CONFIG", {"BK": 256, "num_warps": 1}),
     # session 25's verify-step defaults against what they replaced: the GDN kernel's tile at 2..5 tokens, the out
     # projections' K split at 2..4 rows
     "gdn-verify-tile-16x2": _module_setting("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2)),

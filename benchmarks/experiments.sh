@@ -87,6 +87,19 @@ case "${1:-}" in
   kernels)
     timeout 300 python3 benchmarks/kernels.py --quick --only int8,int4_gemm 2>&1 | tail -40
     ;;
+  ncu)  # Nsight Compute on the one-row decode kernels at 122B shapes, one launch each, no PDL overlap (session 26)
+    ncu="/usr/local/cuda/bin/ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats"
+    for spec in "_gate_up_tc_kernel experts" "_down_tc_kernel experts" "_gdn_decode_kernel gdn"; do
+      set -- $spec
+      timeout 150 $ncu -k "regex:$1" --launch-skip 2 --launch-count 1 python3 benchmarks/kernels.py --quick --no-sweep \
+        --only "$2" > "$OUT/ncu$1.txt" 2>&1
+    done
+    timeout 150 $ncu -k "regex:_gemv_tc_kernel|_fp8_gemv_kernel" --launch-skip 3 --launch-count 3 \
+      python3 benchmarks/ncu_gemvs.py > "$OUT/ncu_gemvs.txt" 2>&1
+    grep -hE "_kernel \(|Duration|DRAM Throughput|Elapsed Cycles|SM Active Cycles|Registers Per|Achieved Occupancy" \
+      "$OUT"/ncu*.txt
+    ;;
   floor)  # benchmarks/kernel_floor.py: decides whether ~7 kernels a layer can reach 0.70 (NOTES-kernels, session 16)
     timeout 300 python3 benchmarks/kernel_floor.py 2>&1 | tail -40
     ;;
@@ -104,7 +117,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|mtp|shapes|tests|tests-cli|kernels|attn|floor|ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-order" >&2
     exit 2
     ;;
 esac
