@@ -176,10 +176,6 @@ VARIANTS = {
     # waits on its join): what it costs the step (timing only), and the same GEMV on the main stream before in_proj
     "timing-no-b-a": _timing_only("zeros", ("roofline.kernels.mixers", "beside", _no_b_a)),
     "b-a-main-stream": ("roofline.kernels.mixers.beside=main stream", [("roofline.kernels.mixers", "beside", _on_main_stream)]),
-    # session 26: the decode graph's kernels captured at a high priority (the main chain's programs take free SMs before
-    # the second stream's: b/a and the shared expert), or the second stream's at a high priority instead
-    "main-chain-priority": _module_setting("roofline.kernels._common", "CAPTURE_STREAM_PRIORITY", -1),
-    "second-stream-priority": _module_setting("roofline.kernels._common", "SECOND_STREAM_PRIORITY", -1),
     # session 25's verify-step defaults against what they replaced: the GDN kernel's tile at 2..5 tokens, the out
     # projections' K split at 2..4 rows
     "gdn-verify-tile-16x2": _module_setting("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2)),

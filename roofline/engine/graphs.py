@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..kernels._common import capture_stream
 from ..kernels.dispatch import MAX_EXPERT_TOKENS, TRITON_GRAPH_ROWS
 from ..model.layers import SlotBatch
 from .cache import CachePool, SlotCache, step_record_size
@@ -197,7 +196,7 @@ class DecodeGraphs:
                 self._body(buf, m, span)
         torch.cuda.current_stream().wait_stream(stream)
         buf.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(buf.graph, pool=self.mempool, stream=capture_stream(self.model.device)):
+        with torch.cuda.graph(buf.graph, pool=self.mempool):
             self._body(buf, m, span)
 
     def buffers_for(self, batch: int, m: int, longest: int, rollback: bool = False) -> tuple[StepBuffers, int, int]:

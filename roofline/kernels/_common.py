@@ -40,22 +40,7 @@ _SPACES = [""]  # the innermost `counter_space`
 # gets two branches. Used for the MoE's shared expert (beside the router and the routed gate_up)
 # and the GDN's b/a projection (beside in_proj_qkv+z). ROOFLINE_SECOND_STREAM=0 keeps one stream.
 SECOND_STREAM = os.environ.get("ROOFLINE_SECOND_STREAM", "1") != "0"
-# Stream priorities (lower is more urgent; 0, PyTorch's default, is the least). A captured graph keeps each kernel's
-# priority from the stream it was captured on (PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority),
-# so when both branches have programs waiting for an SM, the block scheduler can favour one: the main chain's
-# (CAPTURE_STREAM_PRIORITY, the stream graphs are captured on) or the second stream's (SECOND_STREAM_PRIORITY).
-SECOND_STREAM_PRIORITY = 0
-CAPTURE_STREAM_PRIORITY = 0
-_STREAMS: dict[tuple[str, int, int], torch.cuda.Stream] = {}
-
-
-def _stream(role: str, device: torch.device, priority: int) -> torch.cuda.Stream:
-    """The stream of `role` on `device` at `priority`, made once."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (role, index, priority)
-    if key not in _STREAMS:
-        _STREAMS[key] = torch.cuda.Stream(index, priority=priority)
-    return _STREAMS[key]
+_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def second_stream(device) -> torch.cuda.Stream | None:
@@ -63,13 +48,10 @@ def second_stream(device) -> torch.cuda.Stream | None:
     device = torch.device(device)
     if not SECOND_STREAM or device.type != "cuda" or INTERPRET:
         return None
-    return _stream("second", device, SECOND_STREAM_PRIORITY)
-
-
-def capture_stream(device) -> torch.cuda.Stream | None:
-    """The stream to capture decode graphs on: one of CAPTURE_STREAM_PRIORITY, or None (PyTorch's own capture
-    stream) at the default priority."""
-    return _stream("capture", torch.device(device), CAPTURE_STREAM_PRIORITY) if CAPTURE_STREAM_PRIORITY else None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = torch.cuda.Stream(index)
+    return _STREAMS[index]
 
 
 def beside(device, fn, *args):
