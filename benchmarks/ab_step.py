@@ -114,11 +114,6 @@ def _no_b_a(device, fn, x):
     return _CONSTANT_B_A[key], lambda: None
 
 
-def _on_main_stream(device, fn, *args):
-    """mixers.beside for `b-a-main-stream`: the GDN's b/a projection on the main stream, before in_proj_qkv+z."""
-    return fn(*args), lambda: None
-
-
 def resolve(name: str):
     """The module, or the class inside one ("package.module.Class"), that a variant's attribute belongs to."""
     try:
@@ -173,9 +168,8 @@ VARIANTS = {
         "empty", ("roofline.kernels.small_ops", "attention_prologue", _no_attention_prologue),
         ("roofline.kernels.mixers", "decode_attention", _no_decode_attention)),
     # session 26: the GDN's b/a projection (0.8 MB of BF16 on the second stream beside in_proj_qkv+z; the GDN kernel
-    # waits on its join): what it costs the step (timing only), and the same GEMV on the main stream before in_proj
+    # waits on its join): what it costs the step
     "timing-no-b-a": _timing_only("zeros", ("roofline.kernels.mixers", "beside", _no_b_a)),
-    "b-a-main-stream": ("roofline.kernels.mixers.beside=main stream", [("roofline.kernels.mixers", "beside", _on_main_stream)]),
     # session 25's verify-step defaults against what they replaced: the GDN kernel's tile at 2..5 tokens, the out
     # projections' K split at 2..4 rows
     "gdn-verify-tile-16x2": _module_setting("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2)),

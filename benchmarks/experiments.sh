@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 25"), as phases that each fit one 10-minute
-# device call (session 20 on a warm H100: `first` 107 s, `mtp` 133 s, `next`'s old form 257 s with a cold start);
-# `next` first:
-#   OUT=... bash benchmarks/experiments.sh next     # the GPU test files not run at session 25's verify tiles
-#                                                   # (`tests-cli`, ~9 min); NOTES "Session 25" lists what to build
+# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 26"), as phases that each fit one 10-minute
+# device call (session 26 on an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py`
+# call of two variants ~45-60 s; each with a ~50 s start); `next` first:
+#   OUT=... bash benchmarks/experiments.sh next     # nothing new waits for a GPU since session 26: the 122B table
+#                                                   # (`first`) at the tree, to compare a change against
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -56,8 +56,8 @@ gpu_tests() {  # time limit, pytest arguments...
     | tail -15
 }
 case "${1:-}" in
-  next)  # the GPU test files session 25 did not run at its verify tiles (the generate CLI's, the bench's)
-    bash "$0" tests-cli
+  next)  # nothing is queued (NOTES "Session 26"): the table at the tree, to compare a change against
+    bash "$0" first
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
