@@ -64,22 +64,38 @@ def _no_out_projection(weight, x, residual):
     return residual, torch.ones(residual.shape[-1] // 128, 4, dtype=torch.float32, device=x.device)
 
 
-_FIXED_ROUTES: dict = {}  # (rows, top_k, device) -> _no_router's constant tensors
+_FIXED_ROUTES: dict = {}  # (rows, top_k, dtype, device) -> the stand-ins' constant routing tensors
+
+
+def _fixed_routes(x, top_k: int) -> tuple:
+    """(experts 0..k-1, equal weights, a zero shared-expert gate logit) for x's rows, made once per row count (a fill
+    in the first capture that needs them)."""
+    import torch
+
+    rows = x.reshape(-1, x.shape[-1]).shape[0]
+    key = (rows, top_k, x.dtype, x.device)
+    if key not in _FIXED_ROUTES:
+        _FIXED_ROUTES[key] = (torch.arange(top_k, device=x.device).expand(rows, -1).contiguous(),
+                              torch.full((rows, top_k), 1 / top_k, device=x.device),
+                              torch.zeros(rows, 1, dtype=x.dtype, device=x.device))
+    return _FIXED_ROUTES[key]
 
 
 def _no_router(moe, x, norm=None):
     """blocks._route for `timing-no-router`: fixed experts 0..k-1 at equal weights, no router kernel; the normed rows
-    the router's kernel would write stay unfilled. The constant tensors are made once per row count (a fill in the
-    first capture that needs them)."""
-    import torch
+    the router's kernel would write stay unfilled."""
+    return _fixed_routes(x, moe.top_k)
 
-    rows = x.reshape(-1, x.shape[-1]).shape[0]
-    key = (rows, moe.top_k, x.device)
-    if key not in _FIXED_ROUTES:
-        _FIXED_ROUTES[key] = (torch.arange(moe.top_k, device=x.device).expand(rows, -1).contiguous(),
-                              torch.full((rows, moe.top_k), 1 / moe.top_k, device=x.device),
-                              torch.zeros(rows, 1, dtype=x.dtype, device=x.device))
-    return _FIXED_ROUTES[key]
+
+def _router_gemv_only(x, weight, scale_inv, block, experts, top_k, config=None, norm=None):
+    """fp8_gemv.router_top_k (as blocks calls it) for `timing-router-gemv-only`: the router's GEMV launched as the
+    engine launches it (its config, the norm on load, the normed rows written) without the routing in its epilogue
+    (the tiles' arrival round, the last program's softmax and top-k); fixed experts 0..k-1 at equal weights."""
+    from roofline.kernels.fp8_gemv import fp8_matmul
+
+    logits = fp8_matmul(x, weight, scale_inv, block, config=config, norm=norm)
+    chosen, weights, _ = _fixed_routes(x, top_k)
+    return logits, chosen, weights
 
 
 def _no_input_norm(x, weight, eps):
@@ -163,6 +179,10 @@ VARIANTS = {
     # session 25, timing only: the router (its GEMV and routing; fixed experts instead), each layer's input norm (and
     # the final norm), the full-attention layers' prologue and attention kernels
     "timing-no-router": _timing_only("fixed experts", ("roofline.kernels.blocks", "_route", _no_router)),
+    # session 26: the router's GEMV kept, its routing (one program's softmax / top-k after an arrival round: ncu has
+    # the router's SMs empty for 64% of its span) replaced by fixed experts: what the routing costs the step
+    "timing-router-gemv-only": _timing_only("GEMV, fixed experts", ("roofline.kernels.blocks", "router_top_k",
+                                                                  _router_gemv_only)),
     "timing-no-input-norm": _timing_only("identity", ("roofline.kernels.small_ops", "rms_norm", _no_input_norm)),
     "timing-no-attention-kernels": _timing_only(
         "empty", ("roofline.kernels.small_ops", "attention_prologue", _no_attention_prologue),

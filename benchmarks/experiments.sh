@@ -2,8 +2,8 @@
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 26"), as phases that each fit one 10-minute
 # device call (session 26 on an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py`
 # call of two variants ~45-60 s; each with a ~50 s start); `next` first:
-#   OUT=... bash benchmarks/experiments.sh next     # nothing new waits for a GPU since session 26: the 122B table
-#                                                   # (`first`) at the tree, to compare a change against
+#   OUT=... bash benchmarks/experiments.sh next     # what the router's routing costs the step (a timing-only
+#                                                   # stand-in beside `timing-no-router`, ~1 min), then `first` (~5 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -56,7 +56,9 @@ gpu_tests() {  # time limit, pytest arguments...
     | tail -15
 }
 case "${1:-}" in
-  next)  # nothing is queued (NOTES "Session 26"): the table at the tree, to compare a change against
+  next)  # NOTES "Session 26": the router's GEMV without its routing (fixed experts), beside no router at all
+    timeout 200 python3 benchmarks/ab_step.py --variants timing-router-gemv-only,timing-no-router --rounds 3 2>&1 \
+      | tail -8
     bash "$0" first
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
