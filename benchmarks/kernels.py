@@ -323,7 +323,7 @@ def bench_router(b: Bench, quick: bool):
     """The MoE router of the 122B (256 experts + the shared expert's gate, BF16 [257, 3072]) with its top-8 routing:
     one launch (GEMV + top-k epilogue, `router_top_k`) in several tilings, against the GEMV and a top-k kernel. The
     recorded row runs the config the engine launches at that row count (kernels.blocks), not fp8_gemv's default."""
-    from roofline.kernels.blocks import ROUTER_FEW_ROWS_CONFIG, ROUTER_ROWS_CONFIG
+    from roofline.kernels.blocks import router_config
     from roofline.kernels.fp8_gemv import dense_matmul, router_top_k
     from roofline.kernels.small_ops import route_top_k
 
@@ -348,7 +348,7 @@ def bench_router(b: Bench, quick: bool):
             b.sweeps.append({"kernel": "router_top_k", "shape": shape, "config": "GEMV, then route_top_k (2 launches)",
                              "time_us": round(apart, 2)})
             print(f"    sweep router_top_k {shape} GEMV then route_top_k: {apart:8.2f} us", flush=True)
-        b.record("router_top_k", shape, nbytes, median_us(make(ROUTER_FEW_ROWS_CONFIG if m <= 2 else ROUTER_ROWS_CONFIG)))
+        b.record("router_top_k", shape, nbytes, median_us(make(router_config(m))))
     del sets
 
 

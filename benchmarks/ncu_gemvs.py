@@ -10,17 +10,12 @@ the experts' and the GDN kernels' profiles (benchmarks/kernels.py under ncu).
 
 import torch
 
-from roofline.kernels.blocks import ROUTER_FEW_ROWS_CONFIG
+from roofline.kernels.blocks import router_config
 from roofline.kernels.fp8_gemv import router_top_k
 from roofline.kernels.int4_gemv import int4_matmul
 from roofline.kernels.int4_tc import int4_matmul_residual
 
-
-def random_int4(n: int, k: int):
-    """(qweight, qzeros, scales) of a symmetric GPTQ g128 weight [n, k]."""
-    return (torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda"),
-            torch.full((k // 128, n // 8), 0x77777777, dtype=torch.int32, device="cuda"),
-            (torch.rand(k // 128, n, device="cuda") * 0.02 + 0.001).half())
+from kernels import random_int4  # benchmarks/kernels.py, beside this script (run as benchmarks/ncu_gemvs.py)
 
 
 def main():
@@ -31,7 +26,7 @@ def main():
     for _ in range(3):
         int4_matmul(x, *in_proj, 128, sym=True)
         int4_matmul_residual(core, *out_proj, residual, sym=True)
-        router_top_k(x, router, None, (128, 128), 256, 8, config=ROUTER_FEW_ROWS_CONFIG)
+        router_top_k(x, router, None, (128, 128), 256, 8, config=router_config(1))
     torch.cuda.synchronize()
 
 

@@ -92,6 +92,12 @@ ROUTER_ROWS_CONFIG = {"BK": 256, "num_warps": 2}  # the one-launch router past t
 ROUTER_FEW_ROWS_CONFIG: dict | None = {"BN": 1, "BK": 1024, "num_warps": 2, "SPLIT_K": 1}
 
 
+def router_config(rows: int) -> dict | None:
+    """The one-launch router's config for `rows` rows (up to FUSED_ROUTE_ROWS): read at call time, so a switched
+    constant applies to the next launch."""
+    return ROUTER_ROWS_CONFIG if rows > 2 else ROUTER_FEW_ROWS_CONFIG
+
+
 _routes: list[torch.Tensor] | None = None  # see recording_routes
 
 
@@ -121,8 +127,7 @@ def _route(moe: SparseMoE, x: torch.Tensor, norm: NormOnLoad | None = None) -> t
             logits = fp8_matmul(x, *operands, norm=norm)
             experts, weights = route_top_k(logits[..., :e], moe.top_k)
         else:
-            config = ROUTER_ROWS_CONFIG if rows > 2 else ROUTER_FEW_ROWS_CONFIG
-            logits, experts, weights = router_top_k(x, *operands, e, moe.top_k, norm=norm, config=config)
+            logits, experts, weights = router_top_k(x, *operands, e, moe.top_k, norm=norm, config=router_config(rows))
         if moe.merged["router"].merged is not None:
             gate_logit = logits[..., e:]
         else:
