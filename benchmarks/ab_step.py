@@ -35,7 +35,8 @@ def _no_routed_gate_up(x, ids, qweight, *args, **kwargs):
     """int4_experts.experts_gate_up for `timing-no-routed-experts`: an unfilled act, no kernel."""
     import torch
 
-    return torch.empty(x.shape[0], ids.shape[1], qweight.shape[-1] // 2, dtype=x.dtype, device=x.device)
+    top_k = ids.top_k if hasattr(ids, "top_k") else ids.shape[1]  # int4_experts.RouterLogits, or ids [T, k]
+    return torch.empty(x.shape[0], top_k, qweight.shape[-1] // 2, dtype=x.dtype, device=x.device)
 
 
 def _no_routed_down(act, *args, residual=None, **kwargs):
@@ -85,17 +86,6 @@ def _no_router(moe, x, norm=None):
     """blocks._route for `timing-no-router`: fixed experts 0..k-1 at equal weights, no router kernel; the normed rows
     the router's kernel would write stay unfilled."""
     return _fixed_routes(x, moe.top_k)
-
-
-def _router_gemv_only(x, weight, scale_inv, block, experts, top_k, config=None, norm=None):
-    """fp8_gemv.router_top_k (as blocks calls it) for `timing-router-gemv-only`: the router's GEMV launched as the
-    engine launches it (its config, the norm on load, the normed rows written) without the routing in its epilogue
-    (the tiles' arrival round, the last program's softmax and top-k); fixed experts 0..k-1 at equal weights."""
-    from roofline.kernels.fp8_gemv import fp8_matmul
-
-    logits = fp8_matmul(x, weight, scale_inv, block, config=config, norm=norm)
-    chosen, weights, _ = _fixed_routes(x, top_k)
-    return logits, chosen, weights
 
 
 def _no_input_norm(x, weight, eps):
@@ -158,6 +148,9 @@ VARIANTS = {
     "depth-one-row": ("ROOFLINE_INT4_DEPTH=one-row", [("roofline.kernels.int4_tc", "WIDE_TILES", None)]),
     "depth-2": ("ROOFLINE_INT4_DEPTH=2", [("roofline.kernels.int4_tc", "INT4_DEPTH", 2)]),
     "router-two-rows": ("ROOFLINE_ROUTER_ROWS=2", [("roofline.kernels.blocks", "FUSED_ROUTE_ROWS", 2)]),
+    # session 27's default (the experts kernels route from the router's logits) against the routing in the router's
+    # epilogue it replaced
+    "routing-in-router": ("ROOFLINE_ROUTE_IN_EXPERTS=0", [("roofline.kernels.blocks", "ROUTE_IN_EXPERTS", False)]),
     # session 18's defaults against what they replaced: the router's 1-2 rows on the split config, no INT4 GEMV of the
     # verify rows without a K split
     "router-split": _module_setting("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG", None),
@@ -179,10 +172,6 @@ VARIANTS = {
     # session 25, timing only: the router (its GEMV and routing; fixed experts instead), each layer's input norm (and
     # the final norm), the full-attention layers' prologue and attention kernels
     "timing-no-router": _timing_only("fixed experts", ("roofline.kernels.blocks", "_route", _no_router)),
-    # session 26: the router's GEMV kept, its routing (one program's softmax / top-k after an arrival round: ncu has
-    # the router's SMs empty for 64% of its span) replaced by fixed experts: what the routing costs the step
-    "timing-router-gemv-only": _timing_only("GEMV, fixed experts", ("roofline.kernels.blocks", "router_top_k",
-                                                                  _router_gemv_only)),
     "timing-no-input-norm": _timing_only("identity", ("roofline.kernels.small_ops", "rms_norm", _no_input_norm)),
     "timing-no-attention-kernels": _timing_only(
         "empty", ("roofline.kernels.small_ops", "attention_prologue", _no_attention_prologue),

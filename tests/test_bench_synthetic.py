@@ -293,26 +293,6 @@ def test_ab_step_variants_switch_the_flags_the_kernels_read_and_put_them_back():
             pass
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="an interpreter check; the device runs the variant in ab_step")
-def test_the_router_gemv_only_stand_in_keeps_the_routers_gemv_and_fixes_the_routes():
-    """ab_step's `timing-router-gemv-only` replaces router_top_k (which the CPU dry run never reaches: its fp32 router
-    is no small 16-bit weight) by the same GEMV without the routing epilogue: its logits are router_top_k's, its
-    routes experts 0..k-1 at equal weights."""
-    pytest.importorskip("triton")
-    from roofline.kernels.fp8_gemv import router_top_k
-
-    ab = _ab_step()
-    g = torch.Generator().manual_seed(26)
-    x = torch.randn(2, 256, generator=g).to(torch.float16)
-    weight = (torch.randn(17, 256, generator=g) * 0.1).to(torch.float16)
-    config = {"BN": 1, "BK": 128, "num_warps": 1, "SPLIT_K": 1}
-    logits, chosen, weights = ab._router_gemv_only(x, weight, None, (128, 128), 16, 4, config=config)
-    want, want_chosen, _ = router_top_k(x, weight, None, (128, 128), 16, 4, config=config)
-    torch.testing.assert_close(logits, want)
-    assert not torch.equal(want_chosen, chosen)  # the router's own routing is not 0..3 on these inputs
-    assert chosen.tolist() == [[0, 1, 2, 3]] * 2 and torch.equal(weights, torch.full((2, 4), 0.25))
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's dry run; the GPU runs the command above")
 def test_every_part_of_the_table_runs_on_the_tiny_shape_in_the_interpreter():
     """run_synthetic end to end on the tiny shape (kernels in Triton's interpreter, nothing captured, wall-clock

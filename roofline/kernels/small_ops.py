@@ -89,27 +89,32 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def softmax_top_k(z, e, mask, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr):
     """(experts [R, KP] int64, weights [R, KP] fp32) from router logits z [R, BE] (fp32; `mask` [R, BE] or [1, BE]
-    keeps the experts e < E, e [1, BE]): per row softmax, the K largest (the lowest index first among equals),
-    renormalised to sum to 1; all rows in one pass.
+    keeps the experts e < E, e [1, BE]): per row the K largest logits (the lowest index first among equals), their
+    softmax probabilities over all E experts renormalised to sum to 1; all rows in one pass.
 
-    One reduction per choice: each candidate is an int64 key, the probability's bits (a non-negative float's
-    bits order as integers do) above BE - 1 - e, so the key's maximum is the largest probability with the lowest
-    index among equals; taken ones become -1.0 (a negative key)."""
-    z = tl.where(mask, z, -float("inf"))
-    p = tl.exp(z - tl.max(z, axis=1)[:, None])
-    p = p / tl.sum(p, axis=1)[:, None]
-    p = tl.where(mask, p, -1.0)
-    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BE - 1 - e).to(tl.int64)
+    The choice compares the logits' own bits, so it does not depend on how a kernel lays out its reductions:
+    every kernel that routes from the same logits (the router's epilogue, route_top_k, the experts kernels
+    routing for themselves) chooses the same experts in the same order. One reduction per choice: each candidate
+    is an int64 key, the logit's bits mapped to an order-preserving int32 above BE - 1 - e, so the key's maximum is
+    the largest logit with the lowest index among equals; taken ones become int64's minimum (below -inf's key)."""
+    z = tl.where(mask, z, -float("inf")) + 0.0  # + 0.0: -0.0 becomes +0.0, which the bits order as equal
+    bits = z.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped: int order = float order
+    key = (ordered.to(tl.int64) << 32) | (BE - 1 - e).to(tl.int64)
+    taken = tl.full(key.shape, -2147483648, tl.int64) << 32
     slot = tl.arange(0, KP)[None, :]
     chosen = tl.zeros([z.shape[0], KP], dtype=tl.int64)
-    vals = tl.zeros([z.shape[0], KP], dtype=tl.float32)
+    top = tl.zeros([z.shape[0], KP], dtype=tl.int32)
     for j in tl.static_range(K):
         best = tl.max(key, axis=1)[:, None]
-        idx = (BE - 1) - (best & 0xFFFFFFFF)
-        chosen = tl.where(slot == j, idx, chosen)
-        vals = tl.where(slot == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), vals)
-        key = tl.where(key == best, -1, key)
-    return chosen, vals / tl.sum(vals, axis=1)[:, None]
+        chosen = tl.where(slot == j, (BE - 1) - (best & 0xFFFFFFFF), chosen)
+        top = tl.where(slot == j, (best >> 32).to(tl.int32), top)
+        key = tl.where(key == best, taken, key)
+    top_z = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the map undone: the chosen logits
+    zmax = tl.max(z, axis=1)[:, None]
+    p = tl.exp(top_z - zmax) / tl.sum(tl.exp(z - zmax), axis=1)[:, None]  # softmax over all E, at the chosen
+    p = tl.where(slot < K, p, 0.0)
+    return chosen, p / tl.sum(p, axis=1)[:, None]
 
 
 @triton.jit
