@@ -35,8 +35,7 @@ def _no_routed_gate_up(x, ids, qweight, *args, **kwargs):
     """int4_experts.experts_gate_up for `timing-no-routed-experts`: an unfilled act, no kernel."""
     import torch
 
-    top_k = ids.top_k if hasattr(ids, "top_k") else ids.shape[1]  # int4_experts.RouterLogits, or ids [T, k]
-    return torch.empty(x.shape[0], top_k, qweight.shape[-1] // 2, dtype=x.dtype, device=x.device)
+    return torch.empty(x.shape[0], ids.shape[1], qweight.shape[-1] // 2, dtype=x.dtype, device=x.device)
 
 
 def _no_routed_down(act, *args, residual=None, **kwargs):
@@ -148,9 +147,8 @@ VARIANTS = {
     "depth-one-row": ("ROOFLINE_INT4_DEPTH=one-row", [("roofline.kernels.int4_tc", "WIDE_TILES", None)]),
     "depth-2": ("ROOFLINE_INT4_DEPTH=2", [("roofline.kernels.int4_tc", "INT4_DEPTH", 2)]),
     "router-two-rows": ("ROOFLINE_ROUTER_ROWS=2", [("roofline.kernels.blocks", "FUSED_ROUTE_ROWS", 2)]),
-    # session 27's default (the experts kernels route from the router's logits) against the routing in the router's
-    # epilogue it replaced
-    "routing-in-router": ("ROOFLINE_ROUTE_IN_EXPERTS=0", [("roofline.kernels.blocks", "ROUTE_IN_EXPERTS", False)]),
+    # session 27: the router's epilogue on int32 keys from the 16-bit logits against int64 keys from fp32 ones
+    "routing-int64-keys": _module_setting("roofline.kernels.fp8_gemv", "WIDE_ROUTING_KEYS", True),
     # session 18's defaults against what they replaced: the router's 1-2 rows on the split config, no INT4 GEMV of the
     # verify rows without a K split
     "router-split": _module_setting("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG", None),

@@ -26,7 +26,6 @@ from roofline.kernels.fp8_gemv import dense_matmul, fp8_matmul, fp8_matmul_refer
 from roofline.engine.cache import step_record_size  # noqa: E402
 from roofline.kernels.gdn_decode import gdn_decode, gdn_decode_reference, gdn_replay  # noqa: E402
 from roofline.kernels.int4_experts import (  # noqa: E402
-    RouterLogits,
     experts_down,
     experts_down_reference,
     experts_gate_up,
@@ -334,60 +333,6 @@ def test_experts_down_adds_shared_and_residual_interpreter(t, config):
 def test_experts_tc_interpreter(t, config):
     """The grouped experts on the int4_tc path (group 128, fp16), asm emulated."""
     check_experts(t, 6, 256, 128, 3, 128, torch.float16, "cpu", config, tol=2e-3)
-
-
-def check_experts_route_from_logits(t, experts, hidden, inter, topk, dtype, device, config):
-    """The experts kernels routing for themselves (RouterLogits) against routing by route_top_k's ids and weights
-    on the same logits: gate_up bit for bit (every program chooses the same experts in the same order), down within
-    its routing weights' rounding (its softmax sums in its own layout). The logits carry the shared expert's gate as
-    their last column (the merged router), two tokens route alike (one owner reads for both), and the first token
-    has a tie at the top (the lower expert first, everywhere)."""
-    from roofline.kernels.small_ops import route_top_k
-
-    torch.manual_seed(t + experts)
-    gate_up = random_int4(2 * inter, hidden, 128, False, device, experts)
-    down = random_int4(hidden, inter, 128, True, device, experts)
-    x = torch.randn(t, hidden, device=device).to(dtype)
-    logits = torch.randn(t, experts + 1, device=device).to(dtype)
-    logits[0, 1] = logits[0, experts - 2] = logits[0, :experts].max() + 1
-    if t >= 2:
-        logits[t - 1] = logits[0]
-    ids, weights = route_top_k(logits[:, :experts], topk)
-    routing = RouterLogits(logits, experts, topk)
-    act = experts_gate_up(x, routing, *gate_up, 128, config=config)
-    assert torch.equal(act, experts_gate_up(x, ids, *gate_up, 128, config=config))
-    terms = {"shared": torch.randn(t, hidden, device=device).to(dtype), "shared_gate": logits[:, experts:]}
-    out = experts_down(act, routing, None, *down, 128, config=config, **terms)
-    want = experts_down(act, ids, weights, *down, 128, config=config, **terms)
-    torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
-    assert_counters_zero()
-
-
-@cpu
-@pytest.mark.parametrize("t,config", [(1, {"tc": True}), (3, {"tc": True, "SPLIT_K": 2}), (3, {"mma": False})])
-def test_experts_route_from_logits_interpreter(t, config):
-    check_experts_route_from_logits(t, 6, 256, 128, 3, torch.float16, "cpu", config)
-
-
-def test_experts_refuse_bad_routing():
-    """Routing arguments that do not fit are refused before any launch, naming what is wrong."""
-    x = torch.zeros(2, 256)
-    act = torch.zeros(2, 3, 128)
-    logits = torch.zeros(2, 7)
-    with pytest.raises(ValueError, match="RouterLogits wants logits"):
-        experts_gate_up(x, RouterLogits(logits, 8, 3), None, None, None, sym=True)
-    with pytest.raises(ValueError, match="with its own weights"):
-        experts_down(act, RouterLogits(logits, 6, 3), torch.zeros(2, 3), torch.zeros(6, 16, 256, dtype=torch.int32),
-                     None, None, sym=True)
-    with pytest.raises(ValueError, match="act holds 3 choices a token, the routing gives 2"):
-        experts_down(act, RouterLogits(logits, 6, 2), None, torch.zeros(6, 16, 256, dtype=torch.int32), None, None,
-                     sym=True)
-
-
-@gpu
-@pytest.mark.parametrize("t", [1, 3, 4])
-def test_experts_route_from_logits_gpu(t):
-    check_experts_route_from_logits(t, 256, 3072, 1024, 8, torch.bfloat16, GPU, None)
 
 
 @gpu
@@ -725,6 +670,20 @@ def _router_with_config(x, weight, scale, experts, k, config):
 ])
 def test_router_top_k_interpreter(m, experts, k, fp8, config):
     check_router(m, experts, k, fp8, torch.float16, "cpu", config)
+
+
+@cpu
+def test_router_top_k_on_wide_keys_routes_alike(monkeypatch):
+    """ab_step's `routing-int64-keys` (the epilogue widens the 16-bit logits to fp32, int64 keys) routes exactly as
+    the default's int32 keys from the logits' own bits."""
+    from roofline.kernels import fp8_gemv
+
+    torch.manual_seed(27)
+    x, weight = torch.randn(2, 256).half(), torch.randn(65, 256).half()
+    logits, chosen, weights = router_top_k(x, weight, None, (128, 128), 64, 8)
+    monkeypatch.setattr(fp8_gemv, "WIDE_ROUTING_KEYS", True)
+    wide = router_top_k(x, weight, None, (128, 128), 64, 8)
+    assert torch.equal(wide[0], logits) and torch.equal(wide[1], chosen) and torch.equal(wide[2], weights)
 
 
 @gpu

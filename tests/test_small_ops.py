@@ -45,12 +45,13 @@ def test_route_top_k_matches_softmax_topk(tokens, experts, k):
 
 
 @runs_here
-def test_route_top_k_takes_the_lowest_index_among_equals():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # int64 keys, int32 keys
+def test_route_top_k_takes_the_lowest_index_among_equals(dtype):
     """Equal probabilities go lowest expert first: a fixed order (torch.topk's among equals is unspecified: on the
     CPU it picks experts 1, 5, 4 of the first row), and an expert masked off (-inf) is never chosen while finite
     ones remain."""
     logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0, 1.0], [2.0, -float("inf"), 2.0, 2.0, 0.0, 0.0],
-                           [-1.0, -0.0, 0.0, -2.0, -0.0, -3.0]], device=DEVICE)  # -0.0 equals 0.0
+                           [-1.0, -0.0, 0.0, -2.0, -0.0, -3.0]], device=DEVICE).to(dtype)  # -0.0 equals 0.0
     got_e, got_w = route_top_k(logits, 3)
     assert got_e.tolist() == [[1, 2, 4], [0, 2, 3], [1, 2, 4]]
     assert torch.allclose(got_w, torch.full_like(got_w, 1 / 3))
@@ -150,6 +151,20 @@ def test_silu_mul_of_a_strided_gate_up(dtype):
 
 
 @runs_here
+def test_route_top_k_of_16_bit_logits_is_that_of_their_fp32_values():
+    """16-bit logits (the model's) route on int32 keys made from their own bits: the same experts, in the same order,
+    and the same weights as their exact fp32 values on int64 keys, over negative, positive and tied logits."""
+    torch.manual_seed(27)
+    logits = (torch.randn(4, 256, device=DEVICE) * 3).to(torch.float16)
+    logits[1, 10] = logits[1, 200] = logits[1].max() + 1  # a tie at the top
+    logits[2] = -logits[2].abs()  # every logit negative
+    got_e, got_w = route_top_k(logits, 8)
+    want_e, want_w = route_top_k(logits.float(), 8)
+    assert torch.equal(got_e, want_e) and got_e[1, :2].tolist() == [10, 200]
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)
+
+
+@runs_here
 def test_route_top_k_reads_strided_logits():
     """The router's logits as the first E columns of the merged router + shared-gate output."""
     merged = torch.randn(3, 65, device=DEVICE)
@@ -168,12 +183,11 @@ def assert_same_routing(got, want):
 
 @runs_here
 @pytest.mark.parametrize("merged", [True, False])
-def test_router_gemv_routes_as_the_top_k_kernel(monkeypatch, merged):
-    """The MoE block's one-launch router (GEMV + top-k epilogue, ROOFLINE_ROUTE_IN_EXPERTS=0) routes exactly as the
-    GEMV followed by route_top_k, with the shared expert's gate merged into the router's weight or kept apart."""
+def test_router_gemv_routes_as_the_top_k_kernel(merged):
+    """The MoE block's one-launch router (GEMV + top-k epilogue) routes exactly as the GEMV followed by
+    route_top_k, with the shared expert's gate merged into the router's weight or kept apart."""
     import types
 
-    from roofline.kernels import blocks
     from roofline.kernels.blocks import _route, fused_router
     from roofline.kernels.dispatch import install_weight_kernel
     from roofline.kernels.merge import Projections
@@ -190,7 +204,6 @@ def test_router_gemv_routes_as_the_top_k_kernel(monkeypatch, merged):
     moe = types.SimpleNamespace(gate=gate, shared_expert_gate=shared_gate, top_k=8,
                                 merged={"router": Projections([gate, shared_gate], install_weight_kernel)})
     assert (moe.merged["router"].merged is not None) == merged and fused_router(moe) is not None
-    monkeypatch.setattr(blocks, "ROUTE_IN_EXPERTS", False)
     x = torch.randn(2, 256, device=DEVICE).to(dtype)
     experts, weights, gate_logit = _route(moe, x)
     logits = gate(x)
@@ -241,11 +254,14 @@ def test_router_without_a_k_split_routes_as_the_top_k_kernel(monkeypatch, rows, 
     check_router_rows_config(monkeypatch, rows, "ROUTER_FEW_ROWS_CONFIG")
 
 
-def merged_router_and_rows(rows):
-    """A MoE block's router (64 experts, top 8) merged with its shared expert's gate, 16-bit, and `rows` input rows."""
+def check_router_rows_config(monkeypatch, rows, config_name):
+    """`_route` on `rows` rows routes in its GEMV's epilogue exactly as route_top_k on the logits of the same GEMV on
+    blocks.<config_name>'s tiles; the shared expert's gate logit is the merged weight's last column."""
     import types
 
+    from roofline.kernels import blocks
     from roofline.kernels.dispatch import install_weight_kernel
+    from roofline.kernels.fp8_gemv import dense_matmul
     from roofline.kernels.merge import Projections
     from roofline.quant import DenseWeight
 
@@ -257,39 +273,9 @@ def merged_router_and_rows(rows):
         install_weight_kernel(w)
     moe = types.SimpleNamespace(gate=gate, shared_expert_gate=shared_gate, top_k=8,
                                 merged={"router": Projections([gate, shared_gate], install_weight_kernel)})
-    return moe, torch.randn(rows, 256, device=DEVICE).to(dtype)
-
-
-def check_router_rows_config(monkeypatch, rows, config_name):
-    """`_route` on `rows` rows routes in its GEMV's epilogue exactly as route_top_k on the logits of the same GEMV on
-    blocks.<config_name>'s tiles; the shared expert's gate logit is the merged weight's last column."""
-    from roofline.kernels import blocks
-    from roofline.kernels.fp8_gemv import dense_matmul
-
-    moe, x = merged_router_and_rows(rows)
+    x = torch.randn(rows, 256, device=DEVICE).to(dtype)
     monkeypatch.setattr(blocks, "FUSED_ROUTE_ROWS", 4)
-    monkeypatch.setattr(blocks, "ROUTE_IN_EXPERTS", False)
     experts, weights, gate_logit = blocks._route(moe, x)
     logits = dense_matmul(x, moe.merged["router"].merged.weight, config=getattr(blocks, config_name))
     assert_same_routing((experts, weights), route_top_k(logits[:, :64], 8))
     assert torch.equal(gate_logit, logits[:, 64:])
-
-
-@runs_here
-@pytest.mark.parametrize("rows", [1, 3])
-def test_router_leaves_the_routing_to_the_experts(rows):
-    """The default (ROOFLINE_ROUTE_IN_EXPERTS=1): `_route` runs the router as a plain GEMV on router_config(rows)'s
-    tiles and hands its logits on as RouterLogits (no weights: the experts kernels route from them, see test_kernels'
-    test_experts_route_from_logits_*); recording_routes records route_top_k's choice on those logits."""
-    from roofline.kernels import blocks
-    from roofline.kernels.fp8_gemv import dense_matmul
-    from roofline.kernels.int4_experts import RouterLogits
-
-    assert blocks.ROUTE_IN_EXPERTS
-    moe, x = merged_router_and_rows(rows)
-    with blocks.recording_routes() as recorded:
-        routing, weights, gate_logit = blocks._route(moe, x)
-    logits = dense_matmul(x, moe.merged["router"].merged.weight, config=blocks.router_config(rows))
-    assert isinstance(routing, RouterLogits) and weights is None and (routing.experts, routing.top_k) == (64, 8)
-    assert torch.equal(routing.logits, logits) and torch.equal(gate_logit, logits[:, 64:])
-    assert len(recorded) == 1 and torch.equal(recorded[0], route_top_k(logits[:, :64], 8)[0])

@@ -8,10 +8,9 @@ Same math as `DecoderLayer.forward` and `SparseMoE.forward`, rounded where they 
   in one kernel, down: 3 launches where the model code runs 5 (session 15 took silu * up into the down
   GEMV's prologue, one launch fewer: H200, session 17, the M = 3 verify graph 0.44 ms slower, M = 1 no
   faster, since every program of the down GEMV recomputes its slice of the activation; removed);
-- MoE (INT4 routed experts): router and shared-expert gate as one merged GEMV whose logits the routed
-  experts' kernels route from themselves (`int4_experts.RouterLogits`; ROOFLINE_ROUTE_IN_EXPERTS=0: the
-  softmax / top-k in the router's epilogue, `fp8_gemv.router_top_k`, where the router is a dense or FP8
-  weight, else a separate top-k kernel), the routed experts' gate_up, the shared expert (3), then
+- MoE (INT4 routed experts): router and shared-expert gate as one merged GEMV with the router's
+  softmax / top-k in its epilogue (`fp8_gemv.router_top_k`, where the router is a dense or FP8
+  weight; else a separate top-k kernel), the routed experts' gate_up, the shared expert (3), then
   the routed experts' down kernel, which also adds sigmoid(gate) * shared and the residual
   (`experts_down`'s epilogue): 6 launches where the model code runs ~16. On CUDA the shared expert's
   3 launches run on a second stream beside the router and the routed gate_up (`_common.beside`).
@@ -39,7 +38,6 @@ from ..quant import DenseWeight, Fp8BlockWeight
 from ._common import beside
 from .dispatch import MAX_DECODE_ROWS, int4_config, int4_tc_capable, row_count
 from .fp8_gemv import NormOnLoad, fp8_matmul, router_top_k
-from .int4_experts import RouterLogits, experts_down, experts_gate_up
 from .small_ops import add_rms_norm, route_top_k, silu_mul
 
 NORM_IN_GEMVS = os.environ.get("ROOFLINE_NORM_IN_GEMVS", "1") != "0"
@@ -95,16 +93,10 @@ ROUTER_FEW_ROWS_CONFIG: dict | None = {"BN": 1, "BK": 1024, "num_warps": 2, "SPL
 
 
 def router_config(rows: int) -> dict | None:
-    """The router GEMV's config for `rows` rows (the one-launch router's up to FUSED_ROUTE_ROWS, and the plain GEMV's
-    with ROUTE_IN_EXPERTS): read at call time, so a switched constant applies to the next launch."""
+    """The one-launch router's config for `rows` rows (up to FUSED_ROUTE_ROWS): read at call time, so a switched
+    constant applies to the next launch."""
     return ROUTER_ROWS_CONFIG if rows > 2 else ROUTER_FEW_ROWS_CONFIG
 
-
-# The routing in its consumers (int4_experts.RouterLogits): the router is a plain GEMV, and each program of the routed
-# experts' kernels routes from its logits, so the router's programs need no arrival round and no program routes alone
-# after it. ab_step's stand-in `timing-router-gemv-only` (H100, session 27, 122B, 3 rounds) put that round and tail at
-# 0.114 ms of the M = 1 step. ROOFLINE_ROUTE_IN_EXPERTS=0 keeps the routing in the router's epilogue (router_top_k).
-ROUTE_IN_EXPERTS = os.environ.get("ROOFLINE_ROUTE_IN_EXPERTS", "1") != "0"
 
 _routes: list[torch.Tensor] | None = None  # see recording_routes
 
@@ -112,9 +104,8 @@ _routes: list[torch.Tensor] | None = None  # see recording_routes
 @contextmanager
 def recording_routes():
     """Collect the chosen experts [rows, k] of every MoE block's decode call run inside, in layer order (the bench
-    counts the distinct experts a verify step reads; with ROUTE_IN_EXPERTS a route_top_k launch on the same logits
-    chooses them, as the experts kernels do). For eager calls only: a captured graph would keep the recorded
-    tensors' addresses, not their values."""
+    counts the distinct experts a verify step reads). For eager calls only: a captured graph would keep the
+    recorded tensors' addresses, not their values."""
     global _routes
     saved, _routes = _routes, []
     try:
@@ -123,31 +114,26 @@ def recording_routes():
         _routes = saved
 
 
-def _route(moe: SparseMoE, x: torch.Tensor, norm: NormOnLoad | None = None) -> tuple:
-    """(routing, routing weights fp32 or None, the shared expert's gate logit) for decode rows: with
-    ROUTE_IN_EXPERTS the routing is RouterLogits (the experts kernels route from the router's logits; no weights),
-    else the chosen experts [rows, k]. With `norm` the router's kernel norms its input (and writes norm.normed)."""
+def _route(moe: SparseMoE, x: torch.Tensor, norm: NormOnLoad | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen experts, routing weights fp32, the shared expert's gate logit) for decode rows; with `norm` the
+    router's kernel norms its input (and writes norm.normed)."""
     operands = fused_router(moe)
-    e, rows = moe.gate.out_features, row_count(x)
-    experts = weights = None
     if operands is None:
         logits, gate_logit = moe.merged["router"](x)
+        experts, weights = route_top_k(logits, moe.top_k)
     else:
-        if ROUTE_IN_EXPERTS or rows > FUSED_ROUTE_ROWS:
-            logits = fp8_matmul(x, *operands, norm=norm, config=router_config(rows) if ROUTE_IN_EXPERTS else None)
+        e, rows = moe.gate.out_features, row_count(x)
+        if rows > FUSED_ROUTE_ROWS:
+            logits = fp8_matmul(x, *operands, norm=norm)
+            experts, weights = route_top_k(logits[..., :e], moe.top_k)
         else:
             logits, experts, weights = router_top_k(x, *operands, e, moe.top_k, norm=norm, config=router_config(rows))
         if moe.merged["router"].merged is not None:
             gate_logit = logits[..., e:]
         else:
             gate_logit = moe.shared_expert_gate(x if norm is None else norm.normed)
-    logits = logits.reshape(rows, -1)
-    if experts is None and (not ROUTE_IN_EXPERTS or _routes is not None):
-        experts, weights = route_top_k(logits[:, :e], moe.top_k)  # with ROUTE_IN_EXPERTS only to record
     if _routes is not None:
         _routes.append(experts.clone())
-    if ROUTE_IN_EXPERTS:
-        return RouterLogits(logits, e, moe.top_k), None, gate_logit
     return experts, weights, gate_logit
 
 
@@ -163,6 +149,8 @@ def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residu
                              f"got {row_count(x)} rows")
         out = SparseMoE.forward(moe, x)
         return out if residual is None else residual + out
+    from .int4_experts import experts_down, experts_gate_up
+
     if sumsq is None:
         shared_out, join = beside(x.device, lambda: moe.shared_expert(x).contiguous())
         experts, weights, gate_logit = _route(moe, x)

@@ -27,8 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, arrive, counters_for, next_pow2, pdl_options, reset, rows_in_place, sum_splits,
-                      wait_for_inputs)
+from ._common import INTERPRET, arrive, counters_for, next_pow2, pdl_options, reset, sum_splits, wait_for_inputs
 from .int4_gemv import (
     MAGIC,
     _launch_geometry,
@@ -52,7 +51,6 @@ from .int4_tc import (
     tc_groups,
     tc_supported,
 )
-from .small_ops import softmax_top_k
 
 
 def experts_gate_up_reference(x, ids, qweight, qzeros, scales, group_size: int = 128) -> torch.Tensor:
@@ -80,42 +78,6 @@ def experts_down_reference(act, ids, weights, qweight, qzeros, scales, group_siz
     return out.to(act.dtype)
 
 
-@dataclass(frozen=True)
-class RouterLogits:
-    """The routing left to the experts kernels: the router's logits [T, N] (rows may lie apart; the first `experts`
-    columns route, any after them, as the shared expert's gate merged into the router, are not read) and `top_k`.
-
-    Every program of both kernels runs small_ops.softmax_top_k on its chunk's logits. Its choice depends only on
-    the logits' bits, so all programs agree with each other and with route_top_k on the same logits; the router
-    is then a plain GEMV, without the arrival round of its programs and the one program that routes after it
-    (ab_step's stand-in `timing-router-gemv-only`: those cost the H100's 122B step 0.11 ms at one row).
-    gate_up routes after its wait for the router; down before its wait for gate_up, as it read the ids."""
-
-    logits: torch.Tensor
-    experts: int
-    top_k: int
-
-
-def _routing_args(ids, weights, t: int, who: str) -> tuple[int, dict]:
-    """(choices a token, the kernels' routing arguments) of ids [T, k] (with the routing weights [T, k] for the down
-    kernels, else None) or RouterLogits (weights None)."""
-    if isinstance(ids, RouterLogits):
-        logits, stride = rows_in_place(ids.logits)
-        if weights is not None:
-            raise ValueError(f"{who}: RouterLogits routes with its own weights, got weights as well")
-        if logits.dim() != 2 or logits.shape[0] != t or not 1 <= ids.top_k <= ids.experts <= logits.shape[1]:
-            raise ValueError(f"{who}: RouterLogits wants logits [{t}, >= {ids.experts} experts] and top_k <= experts, "
-                             f"got {list(logits.shape)}, top_k {ids.top_k}")
-        return ids.top_k, dict(route_ptr=logits, wts_ptr=logits, E=ids.experts, LSTRIDE=stride, TOPK=ids.top_k,
-                               TOPKP=next_pow2(ids.top_k), LOGITS=True, BE=next_pow2(ids.experts))
-    if ids.dim() != 2 or ids.shape[0] != t or (weights is not None and weights.shape != ids.shape):
-        raise ValueError(f"{who}: ids (and weights) must be [{t}, k], got {list(ids.shape)}"
-                         + ("" if weights is None else f" and {list(weights.shape)}"))
-    top_k = ids.shape[1]
-    return top_k, dict(route_ptr=ids.contiguous(), wts_ptr=(ids if weights is None else weights).contiguous(), E=0,
-                       LSTRIDE=0, TOPK=top_k, TOPKP=next_pow2(top_k), LOGITS=False, BE=1)
-
-
 @triton.jit
 def _pick(v, idx, i: tl.constexpr):
     """Element i of a small 1-D tensor as a scalar."""
@@ -123,44 +85,29 @@ def _pick(v, idx, i: tl.constexpr):
 
 
 @triton.jit
-def _owner(route_ptr, wts_ptr, T, chunk, slot, E, LSTRIDE, CH: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
-           LOGITS: tl.constexpr, BE: tl.constexpr, WEIGHTS: tl.constexpr):
-    """For slot `slot` of token chunk `chunk`: (is_owner, expert, rows, routed, choice, weight).
+def _owner(ids_ptr, T, chunk, slot, CH: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr):
+    """For slot `slot` of token chunk `chunk`: (is_owner, expert, rows, routed, choice).
 
-    The routing is read from the router's ids [T, TOPK] (and routing weights, with WEIGHTS) at route_ptr / wts_ptr,
-    or with LOGITS computed here from its logits (route_ptr: rows LSTRIDE apart, the first E columns the
-    experts') by small_ops.softmax_top_k, whose choice depends only on the logits' bits: every program of both
-    experts kernels chooses alike (RouterLogits).
-
-    is_owner: the slot exists and no earlier slot of the chunk routes to its expert. rows [CH]: token indices of
-    the chunk; routed [CH]: the token routes to the expert; choice [CH]: which of its k choices does (valid where
-    routed); weight [CH]: that choice's routing weight (fp32, where routed and WEIGHTS).
+    is_owner: the slot exists and no earlier slot of the chunk routes to its expert. rows [CH]:
+    token indices of the chunk; routed [CH]: the token routes to the expert; choice [CH]: which of
+    its k choices does (valid where routed).
     """
     rr = tl.arange(0, CH)
     jj = tl.arange(0, TOPKP)
     tok = chunk * CH + rr
     valid = (tok < T)[:, None] & (jj < TOPK)[None, :]
-    if LOGITS:
-        ee = tl.arange(0, BE)[None, :]
-        z = tl.load(route_ptr + tok[:, None] * LSTRIDE + ee, mask=(tok < T)[:, None] & (ee < E), other=0)
-        ids, wts = softmax_top_k(z.to(tl.float32), ee, ee < E, TOPK, TOPKP, BE)
-        ids = tl.where(valid, ids.to(tl.int32), -1)
-    else:
-        ids = tl.load(route_ptr + tok[:, None] * TOPK + jj[None, :], mask=valid, other=-1).to(tl.int32)
-        wts = tl.zeros([CH, TOPKP], dtype=tl.float32)
-        if WEIGHTS:
-            wts = tl.load(wts_ptr + tok[:, None] * TOPK + jj[None, :], mask=valid, other=0).to(tl.float32)
-    flat = rr[:, None] * TOPK + jj[None, :]
-    exists = (chunk * CH + slot // TOPK < T) & (slot < CH * TOPK)
-    e = tl.sum(tl.sum(tl.where(valid & (flat == slot), ids, 0), axis=1), axis=0)
+    ids = tl.load(ids_ptr + tok[:, None] * TOPK + jj[None, :], mask=valid, other=-1).to(tl.int32)
+    my_t = chunk * CH + slot // TOPK
+    exists = (my_t < T) & (slot < CH * TOPK)
+    e = tl.load(ids_ptr + tl.where(exists, my_t * TOPK + slot % TOPK, 0)).to(tl.int32)
     e = tl.where(exists, e, -2)
     match = (ids == e) & valid
+    flat = rr[:, None] * TOPK + jj[None, :]
     earlier = tl.sum(tl.sum(tl.where(match & (flat < slot), 1, 0), axis=1), axis=0)
     is_owner = exists & (earlier == 0)
     routed = tl.sum(tl.where(match, 1, 0), axis=1) > 0
     choice = tl.sum(tl.where(match, jj[None, :], 0), axis=1)
-    weight = tl.sum(tl.where(match, wts, 0.0), axis=1)
-    return is_owner, e, tok, routed, choice, weight
+    return is_owner, e, tok, routed, choice
 
 
 @triton.jit
@@ -191,11 +138,10 @@ def _expert_tile(
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, qw_ptr, qz_ptr, sc_ptr, act_ptr, ws_ptr, cnt_ptr,
-    T, K, I, KP_PER_SPLIT, MAGIC, route_ptr, wts_ptr, E, LSTRIDE,
+    x_ptr, ids_ptr, qw_ptr, qz_ptr, sc_ptr, act_ptr, ws_ptr, cnt_ptr,
+    T, K, I, KP_PER_SPLIT, MAGIC,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
-    ROWS: tl.constexpr, SYM: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, USE_MMA: tl.constexpr,
-    LOGITS: tl.constexpr, BE: tl.constexpr, PDL: tl.constexpr = False,
+    ROWS: tl.constexpr, SYM: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, USE_MMA: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)  # which weights to read comes from the router's output
     pid_n = tl.program_id(0)
@@ -204,8 +150,7 @@ def _gate_up_kernel(
     SLOTS = CH * TOPK
     chunk = pid_s // SLOTS
     slot = pid_s % SLOTS
-    is_owner, e, tok, routed, choice, _ = _owner(route_ptr, wts_ptr, T, chunk, slot, E, LSTRIDE, CH, TOPK, TOPKP,
-                                                 LOGITS, BE, False)
+    is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
     if is_owner:
         n2 = 2 * I
         e64 = e.to(tl.int64)
@@ -233,8 +178,7 @@ def _gate_up_kernel(
             cnt = cnt_ptr + pid_s * tl.num_programs(0) + pid_n
             if arrive(cnt, SPLIT_K):
                 # masks rebuilt here: reusing the outer ones trips a layout pass (operand does not dominate)
-                is_owner2, e2, tok2, routed2, choice2, _ = _owner(route_ptr, wts_ptr, T, chunk, slot, E, LSTRIDE, CH,
-                                                                  TOPK, TOPKP, LOGITS, BE, False)
+                is_owner2, e2, tok2, routed2, choice2 = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
                 row2 = tok2 * TOPK + choice2
                 omask2 = routed2[:, None] & (n_offs < I)[None, :]
                 offs = row2[:, None] * (2 * I) + n_offs[None, :]
@@ -275,11 +219,11 @@ def _sum_choices(ws_ptr, out_ptr, cnt, chunk, T, H, n_offs, n_mask, ARRIVALS, SP
 
 @triton.jit
 def _down_kernel(
-    act_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr, sh_ptr, sg_ptr, SG_STRIDE, res_ptr,
-    T, I, H, KP_PER_SPLIT, MAGIC, route_ptr, wts_ptr, E, LSTRIDE,
+    act_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr, sh_ptr, sg_ptr, SG_STRIDE, res_ptr,
+    T, I, H, KP_PER_SPLIT, MAGIC,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
     ROWS: tl.constexpr, SYM: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, USE_MMA: tl.constexpr,
-    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, LOGITS: tl.constexpr, BE: tl.constexpr, PDL: tl.constexpr = False,
+    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     pid_n = tl.program_id(0)
@@ -290,9 +234,8 @@ def _down_kernel(
     slot = pid_s % SLOTS
     n_offs = pid_n * BN + tl.arange(0, BN)
     n_mask = n_offs < H
-    is_owner, e, tok, routed, choice, w = _owner(route_ptr, wts_ptr, T, chunk, slot, E, LSTRIDE, CH, TOPK, TOPKP,
-                                                 LOGITS, BE, True)
-    row = tok * TOPK + choice  # [CH] rows of act
+    is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
+    row = tok * TOPK + choice  # [CH] rows of act / routing weights
     if is_owner:
         e64 = e.to(tl.int64)
         qw_e = qw_ptr + e64 * (I // 8) * H
@@ -302,6 +245,7 @@ def _down_kernel(
         kp_end = tl.minimum(kp_start + KP_PER_SPLIT, I // 8)
         y = _expert_tile(act_ptr, row * I, routed, qw_e, qz_e, sc_e, n_offs, n_mask, H, kp_start, kp_end, MAGIC,
                          GROUP, CH, BN, ROWS, SYM, USE_MMA)
+        w = tl.load(wts_ptr + row, mask=routed, other=0).to(tl.float32)
         # workspace [SPLIT_K, T*TOPK, H]
         tl.store(ws_ptr + pid_k * (T * TOPK * H) + row[:, None] * H + n_offs[None, :], y * w[:, None],
                  mask=routed[:, None] & n_mask[None, :])
@@ -333,19 +277,18 @@ def _chunk(t: int, mma: bool) -> int:
     return 16 if mma else min(4, next_pow2(t))
 
 
-def experts_gate_up(x: torch.Tensor, ids: torch.Tensor | RouterLogits, qweight, qzeros, scales, group_size: int = 128,
-                    *, sym: bool | None = None, out=None, config: dict | None = None, counters=None) -> torch.Tensor:
-    """act [T, k, I] = silu(x @ Wg_e^T) * (x @ Wu_e^T) for each token's k routed experts e = ids[t, j] (or as
-    RouterLogits routes)."""
+def experts_gate_up(x: torch.Tensor, ids: torch.Tensor, qweight, qzeros, scales, group_size: int = 128, *,
+                    sym: bool | None = None, out=None, config: dict | None = None, counters=None) -> torch.Tensor:
+    """act [T, k, I] = silu(x @ Wg_e^T) * (x @ Wu_e^T) for each token's k routed experts e = ids[t, j]."""
     t, k = x.shape
-    topk, route = _routing_args(ids, None, t, "experts_gate_up")
+    topk = ids.shape[1]
     inter = qweight.shape[-1] // 2
     if sym is None:
         sym = is_symmetric(qzeros)
     # the tc path also at one token since the layout fix (H200 sweep run 4: 15.1 us on 2 warps, 4 programs per SM,
     # vs 16.8 on the lanes path)
     if _tc_path(x, inter, k, group_size, t, config, (qweight, qzeros, scales)):
-        return _experts_gate_up_tc(x, topk, route, qweight, qzeros, scales, sym, out, config, counters)
+        return _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, counters)
     refuse_blocked(config, f"experts_gate_up on {t} {x.dtype} tokens")
     cfg = _config(t, inter, group_size, config)
     ch = _chunk(t, cfg["mma"])
@@ -356,18 +299,18 @@ def experts_gate_up(x: torch.Tensor, ids: torch.Tensor | RouterLogits, qweight, 
     ws = torch.empty(split if split > 1 else 1, t * topk, 2, inter, dtype=torch.float32, device=x.device)
     cnt = counters if counters is not None else counters_for("experts_gate_up", tiles * chunks * slots, x.device)
     _gate_up_kernel[(tiles, chunks * slots, split)](
-        x.contiguous(), qweight, qzeros, scales, act, ws, cnt, t, k, inter, kp_per_split, MAGIC, **route, CH=ch, GROUP=group_size, BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym),
+        x.contiguous(), ids.contiguous(), qweight, qzeros, scales, act, ws, cnt, t, k, inter, kp_per_split, MAGIC,
+        TOPK=topk, TOPKP=next_pow2(topk), CH=ch, GROUP=group_size, BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym),
         SPLIT_K=split, SPLITP=next_pow2(split), USE_MMA=bool(cfg["mma"]), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
         **pdl_options(x.device),
     )
     return act
 
 
-def experts_down(act: torch.Tensor, ids: torch.Tensor | RouterLogits, weights: torch.Tensor | None, qweight, qzeros,
-                 scales, group_size: int = 128, *, sym: bool | None = None, out=None, config: dict | None = None,
+def experts_down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qweight, qzeros, scales,
+                 group_size: int = 128, *, sym: bool | None = None, out=None, config: dict | None = None,
                  counters=None, shared=None, shared_gate=None, residual=None) -> torch.Tensor:
-    """out [T, H] = sum_j weights[t, j] * act[t, j] @ Wd_e^T, e = ids[t, j] (with RouterLogits, weights None: as
-    it routes).
+    """out [T, H] = sum_j weights[t, j] * act[t, j] @ Wd_e^T, e = ids[t, j].
 
     The MoE block's other terms can join in the same launch: `shared` [T, H] times sigmoid(`shared_gate`
     [T] or [T, 1], rows may be strided) and `residual` [T, H], added as SparseMoE and DecoderLayer add them."""
@@ -376,11 +319,8 @@ def experts_down(act: torch.Tensor, ids: torch.Tensor | RouterLogits, weights: t
     if sym is None:
         sym = is_symmetric(qzeros)
     extra = _extra_terms(act, t, h, shared, shared_gate, residual)
-    choices, route = _routing_args(ids, weights, t, "experts_down")
-    if choices != topk:
-        raise ValueError(f"experts_down: act holds {topk} choices a token, the routing gives {choices}")
     if _tc_path(act, h, inter, group_size, t, config, (qweight, qzeros, scales), down=True):
-        return _experts_down_tc(act, topk, route, qweight, qzeros, scales, sym, out, config, counters, extra)
+        return _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters, extra)
     refuse_blocked(config, f"experts_down on {t} {act.dtype} tokens")
     cfg = _config(t, h, group_size, config)
     ch = _chunk(t, cfg["mma"])
@@ -392,8 +332,9 @@ def experts_down(act: torch.Tensor, ids: torch.Tensor | RouterLogits, weights: t
     ws = torch.empty(split, t * topk, h, dtype=torch.float32, device=act.device)
     cnt = counters if counters is not None else counters_for("experts_down", tiles * chunks, act.device)
     _down_kernel[(tiles, chunks * slots, split)](
-        act.contiguous(), qweight, qzeros, scales, out, ws, cnt, *extra.args(out), t, inter, h, kp_per_split, MAGIC,
-        **route, CH=ch, GROUP=group_size, BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym),
+        act.contiguous(), ids.contiguous(), weights.contiguous(), qweight, qzeros, scales, out, ws, cnt, *extra.args(out),
+        t, inter, h, kp_per_split, MAGIC,
+        TOPK=topk, TOPKP=next_pow2(topk), CH=ch, GROUP=group_size, BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym),
         SPLIT_K=split, SPLITP=next_pow2(split), USE_MMA=bool(cfg["mma"]), **extra.flags(),
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **pdl_options(act.device),
     )
@@ -464,12 +405,11 @@ def _tc_out_rows(tok, choice, routed, colbase, WN: tl.constexpr, CH: tl.constexp
 
 @triton.jit
 def _gate_up_tc_kernel(
-    x32_ptr, qw_ptr, qz_ptr, sc_ptr, act_ptr, ws_ptr, cnt_ptr,
-    T, K2, I, GROUPS, GPS, QW_E, QZ_E, SC_E, route_ptr, wts_ptr, E, LSTRIDE,
+    x32_ptr, ids_ptr, qw_ptr, qz_ptr, sc_ptr, act_ptr, ws_ptr, cnt_ptr,
+    T, K2, I, GROUPS, GPS, QW_E, QZ_E, SC_E,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
-    LOGITS: tl.constexpr, BE: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
-    DEPTH: tl.constexpr = 2,
+    QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
 ):
     wait_for_inputs(PDL)  # which weights to read comes from the router's output
     pid_n = tl.program_id(0)
@@ -478,8 +418,7 @@ def _gate_up_tc_kernel(
     SLOTS = CH * TOPK
     chunk = pid_s // SLOTS
     slot = pid_s % SLOTS
-    is_owner, e, tok, routed, choice, _ = _owner(route_ptr, wts_ptr, T, chunk, slot, E, LSTRIDE, CH, TOPK, TOPKP,
-                                                 LOGITS, BE, False)
+    is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
     if is_owner:
         e64 = e.to(tl.int64)
         colbase = pid_n * (32 * WN)
@@ -528,12 +467,12 @@ def _gate_up_tc_finish(ws_ptr, act_ptr, row, mask, col, T, I, TOPK: tl.constexpr
 
 @triton.jit
 def _down_tc_kernel(
-    act32_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr, sh_ptr, sg_ptr, SG_STRIDE, res_ptr,
-    T, I2, H, GROUPS, GPS, QW_E, QZ_E, SC_E, route_ptr, wts_ptr, E, LSTRIDE,
+    act32_ptr, ids_ptr, wts_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, ws_ptr, cnt_ptr, sh_ptr, sg_ptr, SG_STRIDE, res_ptr,
+    T, I2, H, GROUPS, GPS, QW_E, QZ_E, SC_E,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
-    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, LOGITS: tl.constexpr, BE: tl.constexpr, QBLK: tl.constexpr = False,
-    PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
+    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
+    DEPTH: tl.constexpr = 2,
 ):
     BN: tl.constexpr = 32 * WN
     pid_n = tl.program_id(0)
@@ -544,9 +483,8 @@ def _down_tc_kernel(
     slot = pid_s % SLOTS
     colbase = pid_n * BN
     # Under PDL the routing is read and the first weights are loaded before the wait for gate_up: the router wrote
-    # it two kernels back, and this kernel only starts once every gate_up program has passed its own wait.
-    is_owner, e, tok, routed, choice, w = _owner(route_ptr, wts_ptr, T, chunk, slot, E, LSTRIDE, CH, TOPK, TOPKP,
-                                                 LOGITS, BE, True)
+    # ids two kernels back, and this kernel only starts once every gate_up program has passed its own wait.
+    is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
     if is_owner:
         e64 = e.to(tl.int64)
         xrow = _chunk_xrow((tok * TOPK + choice) * I2, routed, WN, KW, CH)
@@ -558,9 +496,8 @@ def _down_tc_kernel(
         y0 = sum_warp_rows(y0, WN, KW)
         y1 = sum_warp_rows(y1, WN, KW)
         row0, row1, m0, m1, col = _tc_out_rows(tok, choice, routed, colbase, WN, CH, TOPK)
-        r0, _ = out_index(colbase, WN)
-        w0 = _rows_of(w, r0, CH)
-        w1 = _rows_of(w, r0 + 1, CH)
+        w0 = tl.load(wts_ptr + row0, mask=m0, other=0).to(tl.float32)
+        w1 = tl.load(wts_ptr + row1, mask=m1, other=0).to(tl.float32)
         # workspace [SPLIT_K, T*TOPK, H]
         tl.store(ws_ptr + pid_k * (T * TOPK * H) + row0 * H + col, y0 * w0, mask=m0)
         tl.store(ws_ptr + pid_k * (T * TOPK * H) + row1 * H + col, y1 * w1, mask=m1)
@@ -605,8 +542,9 @@ def _tc_chunk(t: int) -> int:
     return min(8, next_pow2(t))
 
 
-def _experts_gate_up_tc(x, topk, route, qweight, qzeros, scales, sym, out, config, counters):
+def _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, counters):
     t, k = x.shape
+    topk = ids.shape[1]
     inter = qweight.shape[-1] // 2
     cfg = _tc_expert_config(t, config)
     ch = _tc_chunk(t)
@@ -617,8 +555,9 @@ def _experts_gate_up_tc(x, topk, route, qweight, qzeros, scales, sym, out, confi
     ws = torch.empty(split if split > 1 else 1, t * topk, 2, inter, dtype=torch.float32, device=x.device)
     cnt = counters if counters is not None else counters_for("experts_gate_up_tc", tiles * chunks * slots, x.device)
     _gate_up_tc_kernel[(tiles, chunks * slots, split)](
-        x.contiguous().view(torch.int32), qweight, qzeros, scales, act, ws, cnt,
-        t, k // 2, inter, k // GROUP, gps, qweight[0].numel(), qzeros[0].numel(), scales[0].numel(), **route, CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
+        x.contiguous().view(torch.int32), ids.contiguous(), qweight, qzeros, scales, act, ws, cnt,
+        t, k // 2, inter, k // GROUP, gps, qweight[0].numel(), qzeros[0].numel(), scales[0].numel(),
+        TOPK=topk, TOPKP=next_pow2(topk), CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
         BF16=x.dtype == torch.bfloat16, SPLIT_K=split, SPLITP=max(4, next_pow2(split)), EMULATE=INTERPRET,
         QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
         **launch_options(cfg),
@@ -627,8 +566,8 @@ def _experts_gate_up_tc(x, topk, route, qweight, qzeros, scales, sym, out, confi
     return act
 
 
-def _experts_down_tc(act, topk, route, qweight, qzeros, scales, sym, out, config, counters, extra):
-    t, _, inter = act.shape
+def _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, config, counters, extra):
+    t, topk, inter = act.shape
     h = qweight.shape[-1]
     cfg = _tc_expert_config(t, config, down=True)
     ch = _tc_chunk(t)
@@ -640,8 +579,9 @@ def _experts_down_tc(act, topk, route, qweight, qzeros, scales, sym, out, config
     ws = torch.empty(split, t * topk, h, dtype=torch.float32, device=act.device)
     cnt = counters if counters is not None else counters_for("experts_down_tc", tiles * chunks, act.device)
     _down_tc_kernel[(tiles, chunks * slots, split)](
-        act.contiguous().view(torch.int32), qweight, qzeros, scales, out, ws, cnt, *extra.args(out),
-        t, inter // 2, h, inter // GROUP, gps, qweight[0].numel(), qzeros[0].numel(), scales[0].numel(), **route, CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
+        act.contiguous().view(torch.int32), ids.contiguous(), weights.contiguous(), qweight, qzeros, scales, out, ws,
+        cnt, *extra.args(out), t, inter // 2, h, inter // GROUP, gps, qweight[0].numel(), qzeros[0].numel(), scales[0].numel(),
+        TOPK=topk, TOPKP=next_pow2(topk), CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
         BF16=act.dtype == torch.bfloat16, SPLIT_K=split, SPLITP=next_pow2(split), EMULATE=INTERPRET, **extra.flags(),
         QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
         **launch_options(cfg),

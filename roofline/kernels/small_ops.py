@@ -88,31 +88,45 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def softmax_top_k(z, e, mask, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr):
-    """(experts [R, KP] int64, weights [R, KP] fp32) from router logits z [R, BE] (fp32; `mask` [R, BE] or [1, BE]
-    keeps the experts e < E, e [1, BE]): per row the K largest logits (the lowest index first among equals), their
-    softmax probabilities over all E experts renormalised to sum to 1; all rows in one pass.
+    """(experts [R, KP] int64, weights [R, KP] fp32) from router logits z [R, BE] (16-bit or fp32, as stored; `mask`
+    [R, BE] or [1, BE] keeps the experts e < E, e [1, BE]): per row the K largest logits (the lowest index first among
+    equals), their softmax probabilities over all E experts (fp32) renormalised to sum to 1; all rows in one pass.
 
-    The choice compares the logits' own bits, so it does not depend on how a kernel lays out its reductions:
-    every kernel that routes from the same logits (the router's epilogue, route_top_k, the experts kernels
-    routing for themselves) chooses the same experts in the same order. One reduction per choice: each candidate
-    is an int64 key, the logit's bits mapped to an order-preserving int32 above BE - 1 - e, so the key's maximum is
-    the largest logit with the lowest index among equals; taken ones become int64's minimum (below -inf's key)."""
-    z = tl.where(mask, z, -float("inf")) + 0.0  # + 0.0: -0.0 becomes +0.0, which the bits order as equal
-    bits = z.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped: int order = float order
-    key = (ordered.to(tl.int64) << 32) | (BE - 1 - e).to(tl.int64)
-    taken = tl.full(key.shape, -2147483648, tl.int64) << 32
+    One reduction per choice: each candidate is an integer key, the logit's bits mapped to an order-preserving
+    integer (negative floats' magnitude bits flipped; -0.0 taken as 0.0) above BE - 1 - e, so the key's maximum is
+    the largest logit with the lowest index among equals; taken ones become the key type's minimum (below -inf's).
+    The choice compares the logits' own bits, so any kernel routing from the same logits chooses alike, whatever
+    its layout. 16-bit logits (the model's) make int32 keys, fp32 ones int64: each reduction of 16-bit logits moves
+    half the bits."""
+    z = tl.where(mask, z, -float("inf"))
+    if z.dtype.primitive_bitwidth == 16:
+        tl.static_assert(BE <= 65536)
+        bits = z.to(tl.int16, bitcast=True).to(tl.int32)
+        bits = tl.where(bits == -32768, 0, bits)
+        key = ((bits ^ ((bits >> 15) & 0x7FFF)) << 16) | (BE - 1 - e)
+        taken = tl.full(key.shape, -2147483648, tl.int32)
+    else:
+        bits = z.to(tl.int32, bitcast=True)
+        bits = tl.where(bits == -2147483648, 0, bits)
+        key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (BE - 1 - e).to(tl.int64)
+        taken = tl.full(key.shape, -2147483648, tl.int64) << 32
     slot = tl.arange(0, KP)[None, :]
     chosen = tl.zeros([z.shape[0], KP], dtype=tl.int64)
-    top = tl.zeros([z.shape[0], KP], dtype=tl.int32)
+    top = tl.zeros([z.shape[0], KP], dtype=key.dtype)
     for j in tl.static_range(K):
         best = tl.max(key, axis=1)[:, None]
-        chosen = tl.where(slot == j, (BE - 1) - (best & 0xFFFFFFFF), chosen)
-        top = tl.where(slot == j, (best >> 32).to(tl.int32), top)
+        chosen = tl.where(slot == j, (BE - 1 - (best & (BE - 1))).to(tl.int64), chosen)
+        top = tl.where(slot == j, best, top)
         key = tl.where(key == best, taken, key)
-    top_z = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the map undone: the chosen logits
-    zmax = tl.max(z, axis=1)[:, None]
-    p = tl.exp(top_z - zmax) / tl.sum(tl.exp(z - zmax), axis=1)[:, None]  # softmax over all E, at the chosen
+    if z.dtype.primitive_bitwidth == 16:  # the map undone: the chosen logits
+        hi = top >> 16
+        top_z = (hi ^ ((hi >> 15) & 0x7FFF)).to(tl.int16).to(z.dtype, bitcast=True).to(tl.float32)
+    else:
+        hi = (top >> 32).to(tl.int32)
+        top_z = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    zf = z.to(tl.float32)
+    zmax = tl.max(zf, axis=1)[:, None]
+    p = tl.exp(top_z - zmax) / tl.sum(tl.exp(zf - zmax), axis=1)[:, None]  # softmax over all E, at the chosen
     p = tl.where(slot < K, p, 0.0)
     return chosen, p / tl.sum(p, axis=1)[:, None]
 
@@ -124,7 +138,7 @@ def _route_kernel(logits_ptr, experts_ptr, weights_ptr, E, STRIDE, K: tl.constex
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BE)[None, :]
     mask = e < E
-    z = tl.load(logits_ptr + row * STRIDE + e, mask=mask, other=0).to(tl.float32)
+    z = tl.load(logits_ptr + row * STRIDE + e, mask=mask, other=0)
     chosen, weights = softmax_top_k(z, e, mask, K, KP, BE)
     slot = tl.arange(0, KP)[None, :]
     tl.store(experts_ptr + row * K + slot, chosen, mask=slot < K)
