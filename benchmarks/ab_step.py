@@ -147,12 +147,6 @@ VARIANTS = {
     "depth-one-row": ("ROOFLINE_INT4_DEPTH=one-row", [("roofline.kernels.int4_tc", "WIDE_TILES", None)]),
     "depth-2": ("ROOFLINE_INT4_DEPTH=2", [("roofline.kernels.int4_tc", "INT4_DEPTH", 2)]),
     "router-two-rows": ("ROOFLINE_ROUTER_ROWS=2", [("roofline.kernels.blocks", "FUSED_ROUTE_ROWS", 2)]),
-    # session 27: the router's epilogue on int32 keys from the 16-bit logits, its top 8 in one tree reduction, against
-    # int64 keys from fp32 ones, one max reduction per choice, and both (the routing before session 27)
-    "routing-int64-keys": _module_setting("roofline.kernels.fp8_gemv", "WIDE_ROUTING_KEYS", True),
-    "routing-serial-top-k": _module_setting("roofline.kernels.fp8_gemv", "TREE_TOP_K", False),
-    "routing-int64-serial": ("roofline.kernels.fp8_gemv.WIDE_ROUTING_KEYS=True, TREE_TOP_K=False", [
-        ("roofline.kernels.fp8_gemv", "WIDE_ROUTING_KEYS", True), ("roofline.kernels.fp8_gemv", "TREE_TOP_K", False)]),
     # session 18's defaults against what they replaced: the router's 1-2 rows on the split config, no INT4 GEMV of the
     # verify rows without a K split
     "router-split": _module_setting("roofline.kernels.blocks", "ROUTER_FEW_ROWS_CONFIG", None),

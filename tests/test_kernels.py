@@ -672,23 +672,6 @@ def test_router_top_k_interpreter(m, experts, k, fp8, config):
     check_router(m, experts, k, fp8, torch.float16, "cpu", config)
 
 
-@cpu
-@pytest.mark.parametrize("wide,tree", [(True, True), (False, False), (True, False)])
-def test_router_top_k_routes_alike_on_every_key_and_reduction(monkeypatch, wide, tree):
-    """ab_step's routing variants (the 16-bit logits widened to fp32 for int64 keys; one max reduction per choice in
-    place of the top-8 tree) route exactly as the default's int32 keys in one tree reduction, ties included."""
-    from roofline.kernels import fp8_gemv
-
-    torch.manual_seed(27)
-    x, weight = torch.randn(3, 256).half(), torch.randn(65, 256).half()
-    weight[7] = weight[30]  # experts 7 and 30 tie on every row
-    logits, chosen, weights = router_top_k(x, weight, None, (128, 128), 64, 8)
-    monkeypatch.setattr(fp8_gemv, "WIDE_ROUTING_KEYS", wide)
-    monkeypatch.setattr(fp8_gemv, "TREE_TOP_K", tree)
-    other = router_top_k(x, weight, None, (128, 128), 64, 8)
-    assert torch.equal(other[0], logits) and torch.equal(other[1], chosen) and torch.equal(other[2], weights)
-
-
 @gpu
 @pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("experts,k,fp8", [(256, 8, False), (128, 8, False), (256, 8, True)])

@@ -43,14 +43,6 @@ from .int4_tc import SUMSQ_ROWS
 from .small_ops import softmax_top_k
 
 
-# The routing epilogue chooses on the logits as stored: 16-bit logits (the model's) make int32 keys, half the bits of
-# the int64 keys of fp32 ones (small_ops.softmax_top_k), and a top 8 in one tree reduction, not 8 max reductions one
-# after another. As before session 27 (ab_step's variants): WIDE_ROUTING_KEYS widens the logits to fp32 first
-# (`routing-int64-keys`), TREE_TOP_K False reduces once per choice (`routing-serial-top-k`).
-WIDE_ROUTING_KEYS = False
-TREE_TOP_K = True
-
-
 @dataclass
 class NormOnLoad:
     """The prologue of `fp8_matmul(norm=...)`: the GEMV's input is rms_norm(x) (zero-centred, weight `weight`, `eps`),
@@ -78,7 +70,6 @@ def _fp8_gemv_kernel(
     SBN: tl.constexpr, SBK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr,
     HAS_SCALE: tl.constexpr = True, PDL: tl.constexpr = False,
     experts_ptr=None, weights_ptr=None, E=0, TOPK: tl.constexpr = 0, KP: tl.constexpr = 1, BE: tl.constexpr = 1,
-    WIDE_KEYS: tl.constexpr = False, TREE: tl.constexpr = True,
     ss_ptr=None, nw_ptr=None, normed_ptr=None, eps=0.0, NT=1, NORM: tl.constexpr = False,
     NORM_OUT: tl.constexpr = False, NTP: tl.constexpr = 1, XS=0, GATED: tl.constexpr = False,
     ids_ptr=None, X_PER_ROW=1, WS_STRIDE=0, GROUPED: tl.constexpr = False,
@@ -142,7 +133,7 @@ def _fp8_gemv_kernel(
     if SPLIT_K == 1:
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=omask)
         if TOPK:
-            _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM, TOPK, KP, BE, WIDE_KEYS, TREE)
+            _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM, TOPK, KP, BE)
     else:
         tl.store(ws_ptr + pid_k * WS_STRIDE + offs, y, mask=omask)
         if arrive(cnt_ptr + pid_n, SPLIT_K):
@@ -150,7 +141,7 @@ def _fp8_gemv_kernel(
             tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=omask)
             reset(cnt_ptr + pid_n)
             if TOPK:
-                _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM, TOPK, KP, BE, WIDE_KEYS, TREE)
+                _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM, TOPK, KP, BE)
 
 
 @triton.jit
@@ -163,9 +154,9 @@ def _rows_rstd(ss_ptr, m, m_mask, NT, K, eps, NTP: tl.constexpr):
 
 @triton.jit
 def _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM: tl.constexpr, TOPK: tl.constexpr,
-                KP: tl.constexpr, BE: tl.constexpr, WIDE_KEYS: tl.constexpr, TREE: tl.constexpr):
+                KP: tl.constexpr, BE: tl.constexpr):
     """Called by each column tile's final writer: the last of them routes every row from the first E outputs
-    (counter slot num_programs(0), after the tiles' own); WIDE_KEYS, TREE: see WIDE_ROUTING_KEYS and TREE_TOP_K."""
+    (counter slot num_programs(0), after the tiles' own), as stored (16-bit logits route on int32 keys)."""
     tiles = tl.num_programs(0)
     if arrive(cnt_ptr + tiles, tiles):
         e = tl.arange(0, BE)[None, :]
@@ -173,9 +164,7 @@ def _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM: tl.cons
         m = tl.arange(0, BM)[:, None]
         slot = tl.arange(0, KP)[None, :]
         z = tl.load(out_ptr + m * N + e, mask=(m < M) & emask, other=0, cache_modifier=".cg")
-        if WIDE_KEYS:
-            z = z.to(tl.float32)
-        chosen, weights = softmax_top_k(z, e, emask, TOPK, KP, BE, TREE)  # all rows at once
+        chosen, weights = softmax_top_k(z, e, emask, TOPK, KP, BE)  # all rows at once
         tl.store(experts_ptr + m * TOPK + slot, chosen, mask=(m < M) & (slot < TOPK))
         tl.store(weights_ptr + m * TOPK + slot, weights, mask=(m < M) & (slot < TOPK))
         reset(cnt_ptr + tiles)
@@ -231,8 +220,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
     if route is not None:
         experts, weights, e = route
         top_k = experts.shape[-1]
-        routing = dict(experts_ptr=experts, weights_ptr=weights, E=e, TOPK=top_k, KP=next_pow2(top_k), BE=next_pow2(e),
-                       WIDE_KEYS=WIDE_ROUTING_KEYS, TREE=TREE_TOP_K)
+        routing = dict(experts_ptr=experts, weights_ptr=weights, E=e, TOPK=top_k, KP=next_pow2(top_k), BE=next_pow2(e))
     _fp8_gemv_kernel[(tiles, split)](
         x2, weight, scale_inv if scale_inv is not None else weight, out, ws, cnt, m, n, k, k_per_split,
         scale_inv.shape[-1] if scale_inv is not None else 0,
