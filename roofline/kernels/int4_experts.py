@@ -510,6 +510,15 @@ def _down_tc_kernel(
                  SLOTS * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED, RESIDUAL)
 
 
+# Programs a SM the experts kernels aim at for 2-4 token rows (the verify step). tc_geometry counts every (token,
+# choice) pair as work, but a verify step's drafts share experts: the 122B's M = 3 step on distinct ids reads 9.8
+# distinct experts a layer for its 24 pairs, so ~60% of the slots' programs find their expert owned by an earlier slot
+# and exit: on the H100's 132 SMs gate_up (K split 2) keeps 2.4 working programs a SM where 4 were aimed at. ab_step's
+# experts-rows-8-per-sm (gate_up split 3; down unchanged, split 1) and experts-rows-12-per-sm (gate_up split 5, down
+# split 2) try more (session 27, not yet measured).
+ROWS_PROGRAMS_PER_SM = 4.0
+
+
 def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
     """H200 sweeps: down at T=1 fastest with 1-warp programs, 8 per SM (run 3a: 9.9 us vs 11.6 on 2 warps);
     gate_up at T=1 on 1-warp programs with K split 8 (run 13, block-repacked, one-buffer loop: 12.72 us against
@@ -518,11 +527,12 @@ def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
     cfg = dict(default_tc_config(t, 0, 0))
     if not INTERPRET:
         if down:
-            cfg = {"WN": 1, "KW": 1, "programs_per_sm": 8.0} if t == 1 else {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
+            cfg = {"WN": 1, "KW": 1, "programs_per_sm": 8.0} if t == 1 else \
+                {"WN": 2, "KW": 1, "programs_per_sm": ROWS_PROGRAMS_PER_SM}
         elif one_buffer_loop(t):
             cfg = {"WN": 1, "KW": 1, "SPLIT_K": 8}
         else:
-            cfg = {"WN": 2, "KW": 1, "programs_per_sm": 4.0}
+            cfg = {"WN": 2, "KW": 1, "programs_per_sm": ROWS_PROGRAMS_PER_SM}
         if one_buffer_loop(t):
             cfg["depth"] = 1
     cfg.update(config or {})
