@@ -178,10 +178,8 @@ VARIANTS = {
     # session 25's verify-step defaults against what they replaced: the GDN kernel's tile at 2..5 tokens, the out
     # projections' K split at 2..4 rows
     "gdn-verify-tile-16x2": _module_setting("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2)),
-    # session 27: the routed experts' kernels at 2-4 rows aiming at more programs a SM, since the verify's drafts share
-    # experts and most slots' programs find nothing to do (int4_experts.ROWS_PROGRAMS_PER_SM)
-    "experts-rows-8-per-sm": _module_setting("roofline.kernels.int4_experts", "ROWS_PROGRAMS_PER_SM", 8.0),
-    "experts-rows-12-per-sm": _module_setting("roofline.kernels.int4_experts", "ROWS_PROGRAMS_PER_SM", 12.0),
+    # session 27's verify default against the value it replaced: the routed experts' programs a SM at 2-4 rows
+    "experts-rows-4-per-sm": _module_setting("roofline.kernels.int4_experts", "ROWS_PROGRAMS_PER_SM", 4.0),
     "out-proj-verify-2-per-sm": _module_setting("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),

@@ -2,8 +2,8 @@
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 27"), as phases that each fit one 10-minute
 # device call (session 26 on an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py`
 # call of two variants ~45-60 s; each with a ~50 s start); `next` first:
-#   OUT=... bash benchmarks/experiments.sh next     # the routed experts' programs a SM at 2-4 rows, A/B in the
-#                                                   # step on the 122B and the 35B-A3B (~3 min)
+#   OUT=... bash benchmarks/experiments.sh next     # the experts' GPU tests at session 27's verify default, its
+#                                                   # A/B back, then `first` (~8 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -56,12 +56,11 @@ gpu_tests() {  # time limit, pytest arguments...
     | tail -15
 }
 case "${1:-}" in
-  next)  # NOTES "Session 27": the routed experts at 2-4 rows aiming at more programs a SM (the verify's drafts share
-    # experts, so most slots' programs exit), in the step; then the 35B-A3B's (its experts half as wide)
-    timeout 200 python3 benchmarks/ab_step.py --variants experts-rows-8-per-sm,experts-rows-12-per-sm --rounds 3 2>&1 \
-      | tail -4
-    timeout 150 python3 benchmarks/ab_step.py --shape qwen3.5-35b-a3b --variants experts-rows-8-per-sm,experts-rows-12-per-sm \
-      --rounds 3 2>&1 | tail -4
+  next)  # NOTES "Session 27": the experts' GPU tests at the new verify default (8 programs a SM at 2-4 rows), the
+    # A/B back to 4 on the 122B, then the 122B table
+    gpu_tests 150 tests/test_kernels.py -m gpu -k "experts"
+    timeout 150 python3 benchmarks/ab_step.py --variants experts-rows-4-per-sm --rounds 3 2>&1 | tail -3
+    bash "$0" first
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
     timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \

@@ -513,10 +513,11 @@ def _down_tc_kernel(
 # Programs a SM the experts kernels aim at for 2-4 token rows (the verify step). tc_geometry counts every (token,
 # choice) pair as work, but a verify step's drafts share experts: the 122B's M = 3 step on distinct ids reads 9.8
 # distinct experts a layer for its 24 pairs, so ~60% of the slots' programs find their expert owned by an earlier slot
-# and exit: on the H100's 132 SMs gate_up (K split 2) keeps 2.4 working programs a SM where 4 were aimed at. ab_step's
-# experts-rows-8-per-sm (gate_up split 3; down unchanged, split 1) and experts-rows-12-per-sm (gate_up split 5, down
-# split 2) try more (session 27, not yet measured).
-ROWS_PROGRAMS_PER_SM = 4.0
+# and exit. At 4 (the H200's run 7, a kernel-alone bench with fewer shared experts) gate_up kept ~2.4 working programs
+# a SM on an H100; at 8 its K split goes 2 -> 3 (down unchanged): H100, session 27, in the step (ab_step, 3 rounds)
+# the 122B's M = 3 verify graph 4.538 against 4.758 ms, every round; 12 (down split too) 4.561; one row unchanged; the
+# 35B-A3B's M = 3 the same at 8 (2.834 against 2.836), +0.07 at 12.
+ROWS_PROGRAMS_PER_SM = 8.0
 
 
 def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
