@@ -179,7 +179,11 @@ VARIANTS = {
     # projections' K split at 2..4 rows
     "gdn-verify-tile-16x2": _module_setting("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2)),
     # session 27's verify default against the value it replaced: the routed experts' programs a SM at 2-4 rows
-    "experts-rows-4-per-sm": _module_setting("roofline.kernels.int4_experts", "ROWS_PROGRAMS_PER_SM", 4.0),
+    "experts-rows-4-per-sm": ("roofline.kernels.int4_experts.ROWS_PROGRAMS_PER_SM=4.0, ROWS_DOWN_PROGRAMS_PER_SM=4.0", [
+        ("roofline.kernels.int4_experts", "ROWS_PROGRAMS_PER_SM", 4.0),
+        ("roofline.kernels.int4_experts", "ROWS_DOWN_PROGRAMS_PER_SM", 4.0)]),
+    # and a candidate: the down kernel's K split at 2-4 rows (1 -> 2), gate_up as it is
+    "experts-rows-down-16-per-sm": _module_setting("roofline.kernels.int4_experts", "ROWS_DOWN_PROGRAMS_PER_SM", 16.0),
     "out-proj-verify-2-per-sm": _module_setting("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),

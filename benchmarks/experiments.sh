@@ -59,7 +59,8 @@ case "${1:-}" in
   next)  # NOTES "Session 27": the experts' GPU tests at the new verify default (8 programs a SM at 2-4 rows), the
     # A/B back to 4 on the 122B, then the 122B table
     gpu_tests 150 tests/test_kernels.py -m gpu -k "experts"
-    timeout 150 python3 benchmarks/ab_step.py --variants experts-rows-4-per-sm --rounds 3 2>&1 | tail -3
+    timeout 200 python3 benchmarks/ab_step.py --variants experts-rows-4-per-sm,experts-rows-down-16-per-sm --rounds 3 \
+      2>&1 | tail -4
     bash "$0" first
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile

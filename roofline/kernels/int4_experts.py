@@ -516,8 +516,11 @@ def _down_tc_kernel(
 # and exit. At 4 (the H200's run 7, a kernel-alone bench with fewer shared experts) gate_up kept ~2.4 working programs
 # a SM on an H100; at 8 its K split goes 2 -> 3 (down unchanged): H100, session 27, in the step (ab_step, 3 rounds)
 # the 122B's M = 3 verify graph 4.538 against 4.758 ms, every round; 12 (down split too) 4.561; one row unchanged; the
-# 35B-A3B's M = 3 the same at 8 (2.834 against 2.836), +0.07 at 12.
+# 35B-A3B's M = 3 the same at 8 (2.834 against 2.836), +0.07 at 12. The down kernel's own constant: its 48 column tiles
+# keep no K split up to ~8.7 a SM (~3.6 working programs a SM at M = 3); ab_step's experts-rows-down-16-per-sm gives it
+# a split of 2 (queued, session 27).
 ROWS_PROGRAMS_PER_SM = 8.0
+ROWS_DOWN_PROGRAMS_PER_SM = 8.0
 
 
 def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
@@ -529,7 +532,7 @@ def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
     if not INTERPRET:
         if down:
             cfg = {"WN": 1, "KW": 1, "programs_per_sm": 8.0} if t == 1 else \
-                {"WN": 2, "KW": 1, "programs_per_sm": ROWS_PROGRAMS_PER_SM}
+                {"WN": 2, "KW": 1, "programs_per_sm": ROWS_DOWN_PROGRAMS_PER_SM}
         elif one_buffer_loop(t):
             cfg = {"WN": 1, "KW": 1, "SPLIT_K": 8}
         else:
