@@ -312,6 +312,7 @@ def check_experts(t, experts, hidden, inter, topk, group, dtype, device, config=
     (3, {"mma": False, "SPLIT_K": 2}),   # the same on the lanes path (up to 4 token rows)
     (5, None),                           # 16-token chunks
     (2, {"mma": False}),
+    (6, {"mma": False}),                 # two chunks of 4, the second with 2 tokens (no programs for the absent 2)
 ])
 def test_experts_interpreter(t, config):
     check_experts(t, 6, 64, 48, 3, 16, torch.float32 if t % 2 else torch.float16, "cpu", config, tol=2e-3)

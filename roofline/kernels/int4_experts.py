@@ -9,7 +9,9 @@ tensor-core path). Program (column tile, chunk, slot p, K split) looks at the ex
 (token p // k, choice p % k). If an earlier slot of the chunk routes to the same expert, the
 program does nothing; otherwise it owns that expert for the chunk, gathers every token of the
 chunk routed to it and multiplies them together, so each expert's weights are read once per
-chunk however many of its tokens route to it.
+chunk however many of its tokens route to it. Only present tokens' slots get programs (T * k of
+them: a 3-token verify in a chunk of 4 runs 24 slots, not 32), so the down kernels count each
+chunk's arrivals from its tokens.
 
 - gate_up: act[t, j, :] = silu(x[t] @ Wg^T) * (x[t] @ Wu^T); the gate and up columns of one
   tile come from the same program, so SiLU*up is fused (after the split-K sum when K is split).
@@ -251,7 +253,8 @@ def _down_kernel(
                  mask=routed[:, None] & n_mask[None, :])
     # every program of this (chunk, column tile) arrives; the last sums choices and splits in order
     _sum_choices(ws_ptr, out_ptr, cnt_ptr + chunk * tl.num_programs(0) + pid_n, chunk, T, H, n_offs, n_mask,
-                 SLOTS * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED, RESIDUAL)
+                 tl.minimum(CH, T - chunk * CH) * TOPK * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr,
+                 SG_STRIDE, res_ptr, SHARED, RESIDUAL)
 
 
 def _config(t: int, n: int, group_size: int, config: dict | None) -> dict:
@@ -294,11 +297,11 @@ def experts_gate_up(x: torch.Tensor, ids: torch.Tensor, qweight, qzeros, scales,
     ch = _chunk(t, cfg["mma"])
     chunks = triton.cdiv(t, ch)
     slots = ch * topk
-    tiles, split, kp_per_split = _launch_geometry(inter, k, cfg, x.device, tiles_extra=min(t * topk, slots * chunks))
+    tiles, split, kp_per_split = _launch_geometry(inter, k, cfg, x.device, tiles_extra=t * topk)
     act = torch.empty(t, topk, inter, dtype=x.dtype, device=x.device) if out is None else out
     ws = torch.empty(split if split > 1 else 1, t * topk, 2, inter, dtype=torch.float32, device=x.device)
     cnt = counters if counters is not None else counters_for("experts_gate_up", tiles * chunks * slots, x.device)
-    _gate_up_kernel[(tiles, chunks * slots, split)](
+    _gate_up_kernel[(tiles, t * topk, split)](
         x.contiguous(), ids.contiguous(), qweight, qzeros, scales, act, ws, cnt, t, k, inter, kp_per_split, MAGIC,
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, GROUP=group_size, BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym),
         SPLIT_K=split, SPLITP=next_pow2(split), USE_MMA=bool(cfg["mma"]), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
@@ -326,12 +329,12 @@ def experts_down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qw
     ch = _chunk(t, cfg["mma"])
     chunks = triton.cdiv(t, ch)
     slots = ch * topk
-    tiles, split, kp_per_split = _launch_geometry(h, inter, cfg, act.device, tiles_extra=min(t * topk, slots * chunks))
+    tiles, split, kp_per_split = _launch_geometry(h, inter, cfg, act.device, tiles_extra=t * topk)
     if out is None:
         out = torch.empty(t, h, dtype=act.dtype, device=act.device)
     ws = torch.empty(split, t * topk, h, dtype=torch.float32, device=act.device)
     cnt = counters if counters is not None else counters_for("experts_down", tiles * chunks, act.device)
-    _down_kernel[(tiles, chunks * slots, split)](
+    _down_kernel[(tiles, t * topk, split)](
         act.contiguous(), ids.contiguous(), weights.contiguous(), qweight, qzeros, scales, out, ws, cnt, *extra.args(out),
         t, inter, h, kp_per_split, MAGIC,
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, GROUP=group_size, BN=cfg["BN"], ROWS=cfg["ROWS"], SYM=bool(sym),
@@ -507,7 +510,8 @@ def _down_tc_kernel(
     n_offs = colbase + tl.arange(0, BN)
     n_mask = n_offs < H
     _sum_choices(ws_ptr, out_ptr, cnt_ptr + chunk * tl.num_programs(0) + pid_n, chunk, T, H, n_offs, n_mask,
-                 SLOTS * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED, RESIDUAL)
+                 tl.minimum(CH, T - chunk * CH) * TOPK * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr,
+                 SG_STRIDE, res_ptr, SHARED, RESIDUAL)
 
 
 # Programs a SM the experts kernels aim at for 2-4 token rows (the verify step). tc_geometry counts every (token,
@@ -564,11 +568,11 @@ def _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, count
     ch = _tc_chunk(t)
     chunks = triton.cdiv(t, ch)
     slots = ch * topk
-    tiles, split, gps = tc_geometry(inter, k, cfg, x.device, tiles_extra=min(t * topk, slots * chunks))
+    tiles, split, gps = tc_geometry(inter, k, cfg, x.device, tiles_extra=t * topk)
     act = torch.empty(t, topk, inter, dtype=x.dtype, device=x.device) if out is None else out
     ws = torch.empty(split if split > 1 else 1, t * topk, 2, inter, dtype=torch.float32, device=x.device)
     cnt = counters if counters is not None else counters_for("experts_gate_up_tc", tiles * chunks * slots, x.device)
-    _gate_up_tc_kernel[(tiles, chunks * slots, split)](
+    _gate_up_tc_kernel[(tiles, t * topk, split)](
         x.contiguous().view(torch.int32), ids.contiguous(), qweight, qzeros, scales, act, ws, cnt,
         t, k // 2, inter, k // GROUP, gps, qweight[0].numel(), qzeros[0].numel(), scales[0].numel(),
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
@@ -587,12 +591,12 @@ def _experts_down_tc(act, ids, weights, qweight, qzeros, scales, sym, out, confi
     ch = _tc_chunk(t)
     chunks = triton.cdiv(t, ch)
     slots = ch * topk
-    tiles, split, gps = tc_geometry(h, inter, cfg, act.device, tiles_extra=min(t * topk, slots * chunks))
+    tiles, split, gps = tc_geometry(h, inter, cfg, act.device, tiles_extra=t * topk)
     if out is None:
         out = torch.empty(t, h, dtype=act.dtype, device=act.device)
     ws = torch.empty(split, t * topk, h, dtype=torch.float32, device=act.device)
     cnt = counters if counters is not None else counters_for("experts_down_tc", tiles * chunks, act.device)
-    _down_tc_kernel[(tiles, chunks * slots, split)](
+    _down_tc_kernel[(tiles, t * topk, split)](
         act.contiguous().view(torch.int32), ids.contiguous(), weights.contiguous(), qweight, qzeros, scales, out, ws,
         cnt, *extra.args(out), t, inter // 2, h, inter // GROUP, gps, qweight[0].numel(), qzeros[0].numel(), scales[0].numel(),
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
