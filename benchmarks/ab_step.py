@@ -184,6 +184,12 @@ VARIANTS = {
         ("roofline.kernels.int4_experts", "ROWS_DOWN_PROGRAMS_PER_SM", 4.0)]),
     # and a candidate: the down kernel's K split at 2-4 rows (1 -> 2), gate_up as it is
     "experts-rows-down-16-per-sm": _module_setting("roofline.kernels.int4_experts", "ROWS_DOWN_PROGRAMS_PER_SM", 16.0),
+    # session 27: the one-row experts' configs (sweeps of each kernel alone on the H200) against their neighbours in the
+    # step: gate_up's K split 8 (2048 one-warp programs) at 6 / 12, down's 8 programs a SM (K split 2) at 4 / 16 (1 / 3)
+    "gate-up-one-row-split-6": _module_setting("roofline.kernels.int4_experts", "ONE_ROW_GATE_UP_SPLIT", 6),
+    "gate-up-one-row-split-12": _module_setting("roofline.kernels.int4_experts", "ONE_ROW_GATE_UP_SPLIT", 12),
+    "down-one-row-4-per-sm": _module_setting("roofline.kernels.int4_experts", "ONE_ROW_DOWN_PROGRAMS_PER_SM", 4.0),
+    "down-one-row-16-per-sm": _module_setting("roofline.kernels.int4_experts", "ONE_ROW_DOWN_PROGRAMS_PER_SM", 16.0),
     "out-proj-verify-2-per-sm": _module_setting("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),

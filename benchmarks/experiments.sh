@@ -3,7 +3,8 @@
 # device call (session 26 on an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py`
 # call of two variants ~45-60 s; each with a ~50 s start); `next` first:
 #   OUT=... bash benchmarks/experiments.sh next     # the experts' GPU tests at session 27's verify default, its
-#                                                   # A/B back, then `first` (~8 min)
+#                                                   # A/B back beside the queued experts configs, then `first`
+#                                                   # (~8 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -57,10 +58,10 @@ gpu_tests() {  # time limit, pytest arguments...
 }
 case "${1:-}" in
   next)  # NOTES "Session 27": the experts' GPU tests at the new verify default (8 programs a SM at 2-4 rows), the
-    # A/B back to 4 on the 122B, then the 122B table
+    # A/B back to 4 beside the queued experts configs (122B), then the 122B table
     gpu_tests 150 tests/test_kernels.py -m gpu -k "experts"
-    timeout 200 python3 benchmarks/ab_step.py --variants experts-rows-4-per-sm,experts-rows-down-16-per-sm --rounds 3 \
-      2>&1 | tail -4
+    timeout 300 python3 benchmarks/ab_step.py --variants experts-rows-4-per-sm,experts-rows-down-16-per-sm,\
+gate-up-one-row-split-6,gate-up-one-row-split-12,down-one-row-4-per-sm,down-one-row-16-per-sm --rounds 3 2>&1 | tail -8
     bash "$0" first
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile

@@ -525,20 +525,25 @@ def _down_tc_kernel(
 # a split of 2 (queued, session 27).
 ROWS_PROGRAMS_PER_SM = 8.0
 ROWS_DOWN_PROGRAMS_PER_SM = 8.0
+# The one-row configs (the H200 sweeps in _tc_expert_config's docstring, of each kernel alone), as constants so ab_step
+# can time their neighbours in the step on the card at hand (session 27: queued).
+ONE_ROW_GATE_UP_SPLIT = 8
+ONE_ROW_DOWN_PROGRAMS_PER_SM = 8.0
 
 
 def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
     """H200 sweeps: down at T=1 fastest with 1-warp programs, 8 per SM (run 3a: 9.9 us vs 11.6 on 2 warps);
     gate_up at T=1 on 1-warp programs with K split 8 (run 13, block-repacked, one-buffer loop: 12.72 us against
-    14.17 on 2 warps at 4 per SM, split 5), from two tokens on 2 warps, 4 per SM (run 7, T=4, with x loaded one
-    step ahead: 28.6 us vs 32.3 on 4 warps); down at T >= 2 on 2 warps."""
+    14.17 on 2 warps at 4 per SM, split 5), from two tokens on 2 warps (run 7, T=4, with x loaded one step ahead:
+    28.6 us vs 32.3 on 4 warps); down at T >= 2 on 2 warps; at T >= 2 ROWS_PROGRAMS_PER_SM / ROWS_DOWN_PROGRAMS_PER_SM
+    programs a SM."""
     cfg = dict(default_tc_config(t, 0, 0))
     if not INTERPRET:
         if down:
-            cfg = {"WN": 1, "KW": 1, "programs_per_sm": 8.0} if t == 1 else \
+            cfg = {"WN": 1, "KW": 1, "programs_per_sm": ONE_ROW_DOWN_PROGRAMS_PER_SM} if t == 1 else \
                 {"WN": 2, "KW": 1, "programs_per_sm": ROWS_DOWN_PROGRAMS_PER_SM}
         elif one_buffer_loop(t):
-            cfg = {"WN": 1, "KW": 1, "SPLIT_K": 8}
+            cfg = {"WN": 1, "KW": 1, "SPLIT_K": ONE_ROW_GATE_UP_SPLIT}
         else:
             cfg = {"WN": 2, "KW": 1, "programs_per_sm": ROWS_PROGRAMS_PER_SM}
         if one_buffer_loop(t):
