@@ -87,6 +87,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _order_bits(bits, SIGN: tl.constexpr):
+    """A float's bits as a signed integer (sign bit SIGN, sign-extended) <-> an integer ordered as the floats are:
+    negative floats' magnitude bits flipped. Its own inverse."""
+    return bits ^ ((bits >> SIGN) & ((1 << SIGN) - 1))
+
+
+@triton.jit
 def softmax_top_k(z, e, mask, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr):
     """(experts [R, KP] int64, weights [R, KP] fp32) from router logits z [R, BE] (16-bit or fp32, as stored; `mask`
     [R, BE] or [1, BE] keeps the experts e < E, e [1, BE]): per row the K largest logits (the lowest index first among
@@ -105,12 +112,12 @@ def softmax_top_k(z, e, mask, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexp
         tl.static_assert(BE <= 65536)
         bits = z.to(tl.int16, bitcast=True).to(tl.int32)
         bits = tl.where(bits == -32768, 0, bits)
-        key = ((bits ^ ((bits >> 15) & 0x7FFF)) << 16) | (BE - 1 - e)
+        key = (_order_bits(bits, 15) << 16) | (BE - 1 - e)
         lowest = tl.full(key.shape, -2147483648, tl.int32)
     else:
         bits = z.to(tl.int32, bitcast=True)
         bits = tl.where(bits == -2147483648, 0, bits)
-        key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (BE - 1 - e).to(tl.int64)
+        key = (_order_bits(bits, 31).to(tl.int64) << 32) | (BE - 1 - e).to(tl.int64)
         lowest = tl.full(key.shape, -2147483648, tl.int64) << 32
     slot = tl.arange(0, KP)[None, :]
     top = tl.zeros([z.shape[0], KP], dtype=key.dtype)
@@ -120,11 +127,9 @@ def softmax_top_k(z, e, mask, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexp
         key = tl.where(key == best, lowest, key)
     chosen = (BE - 1 - (top & (BE - 1))).to(tl.int64)
     if z.dtype.primitive_bitwidth == 16:  # the map undone: the chosen logits
-        hi = top >> 16
-        top_z = (hi ^ ((hi >> 15) & 0x7FFF)).to(tl.int16).to(z.dtype, bitcast=True).to(tl.float32)
+        top_z = _order_bits(top >> 16, 15).to(tl.int16).to(z.dtype, bitcast=True).to(tl.float32)
     else:
-        hi = (top >> 32).to(tl.int32)
-        top_z = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        top_z = _order_bits((top >> 32).to(tl.int32), 31).to(tl.float32, bitcast=True)
     zf = z.to(tl.float32)
     zmax = tl.max(zf, axis=1)[:, None]
     p = tl.exp(top_z - zmax) / tl.sum(tl.exp(zf - zmax), axis=1)[:, None]  # softmax over all E, at the chosen
