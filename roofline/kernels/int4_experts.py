@@ -192,14 +192,15 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _sum_choices(ws_ptr, out_ptr, cnt, chunk, T, H, n_offs, n_mask, ARRIVALS, SPLIT_K, SPLITP: tl.constexpr,
+def _sum_choices(ws_ptr, out_ptr, cnt, chunk, T, H, n_offs, n_mask, SPLIT_K, SPLITP: tl.constexpr,
                  CH: tl.constexpr, BN: tl.constexpr, TOPK: tl.constexpr,
                  sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr):
-    """The down kernels' end: the last of the ARRIVALS programs of this (chunk, column tile) sums each token's
-    k weighted choices over the K splits, in order, from the workspace [SPLIT_K, T*TOPK, H]. With SHARED it
+    """The down kernels' end: the last of the programs of this (chunk, column tile), one per present token's slot
+    and K split, sums each token's k weighted choices over the K splits, in order, from the workspace
+    [SPLIT_K, T*TOPK, H]. With SHARED it
     adds the shared expert's output times sigmoid(its gate logit), with RESIDUAL the layer's residual,
     rounding to the output dtype where the reference (SparseMoE.forward, DecoderLayer.forward) does."""
-    if arrive(cnt, ARRIVALS):
+    if arrive(cnt, tl.minimum(CH, T - chunk * CH) * TOPK * SPLIT_K):
         toks = chunk * CH + tl.arange(0, CH)
         tmask = (toks < T)[:, None] & n_mask[None, :]
         offs = toks[:, None] * H + n_offs[None, :]
@@ -253,8 +254,7 @@ def _down_kernel(
                  mask=routed[:, None] & n_mask[None, :])
     # every program of this (chunk, column tile) arrives; the last sums choices and splits in order
     _sum_choices(ws_ptr, out_ptr, cnt_ptr + chunk * tl.num_programs(0) + pid_n, chunk, T, H, n_offs, n_mask,
-                 tl.minimum(CH, T - chunk * CH) * TOPK * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr,
-                 SG_STRIDE, res_ptr, SHARED, RESIDUAL)
+                 SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED, RESIDUAL)
 
 
 def _config(t: int, n: int, group_size: int, config: dict | None) -> dict:
@@ -510,8 +510,7 @@ def _down_tc_kernel(
     n_offs = colbase + tl.arange(0, BN)
     n_mask = n_offs < H
     _sum_choices(ws_ptr, out_ptr, cnt_ptr + chunk * tl.num_programs(0) + pid_n, chunk, T, H, n_offs, n_mask,
-                 tl.minimum(CH, T - chunk * CH) * TOPK * SPLIT_K, SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr,
-                 SG_STRIDE, res_ptr, SHARED, RESIDUAL)
+                 SPLIT_K, SPLITP, CH, BN, TOPK, sh_ptr, sg_ptr, SG_STRIDE, res_ptr, SHARED, RESIDUAL)
 
 
 # Programs a SM the experts kernels aim at for 2-4 token rows (the verify step). tc_geometry counts every (token,
