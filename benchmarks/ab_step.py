@@ -184,6 +184,9 @@ VARIANTS = {
         ("roofline.kernels.int4_experts", "ROWS_DOWN_PROGRAMS_PER_SM", 4.0)]),
     # and a candidate: the down kernel's K split at 2-4 rows (1 -> 2), gate_up as it is
     "experts-rows-down-16-per-sm": _module_setting("roofline.kernels.int4_experts", "ROWS_DOWN_PROGRAMS_PER_SM", 16.0),
+    # session 28: the routing weights as session 27 computed them (the softmax over all E experts, then renormalised
+    # over the chosen) against the chosen logits' own softmax (the same numbers, two 256-wide reductions fewer)
+    "routing-softmax-over-all": _module_setting("roofline.kernels.fp8_gemv", "ROUTE_SOFTMAX_OVER_ALL", True),
     # session 27: the one-row experts' configs (sweeps of each kernel alone on the H200) against their neighbours in the
     # step: gate_up's K split 8 (2048 one-warp programs) at 6 / 12, down's 8 programs a SM (K split 2) at 4 / 16 (1 / 3)
     "gate-up-one-row-split-6": _module_setting("roofline.kernels.int4_experts", "ONE_ROW_GATE_UP_SPLIT", 6),
