@@ -178,6 +178,10 @@ VARIANTS = {
     # session 25's verify-step defaults against what they replaced: the GDN kernel's tile at 2..5 tokens, the out
     # projections' K split at 2..4 rows
     "gdn-verify-tile-16x2": _module_setting("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2)),
+    # session 28: one program a value head at one token (64 on the 122B), its gated norm in the program, not in the
+    # key head's arrival round (which then only shifts the q/k conv windows)
+    "gdn-one-token-tile-128x4": _module_setting("roofline.kernels.gdn_decode", "ONE_TOKEN_TILE", (128, 4)),
+    "gdn-one-token-tile-128x8": _module_setting("roofline.kernels.gdn_decode", "ONE_TOKEN_TILE", (128, 8)),
     # session 27's verify default against the value it replaced: the routed experts' programs a SM at 2-4 rows
     "experts-rows-4-per-sm": ("roofline.kernels.int4_experts.ROWS_PROGRAMS_PER_SM=4.0, ROWS_DOWN_PROGRAMS_PER_SM=4.0", [
         ("roofline.kernels.int4_experts", "ROWS_PROGRAMS_PER_SM", 4.0),

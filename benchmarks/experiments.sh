@@ -60,9 +60,10 @@ case "${1:-}" in
   next)  # NOTES "Session 28": the experts' and routing's GPU tests at sessions 27-28's defaults (8 programs a SM at
     # 2-4 rows; the routing weights as the chosen logits' softmax), then one A/B (122B) of those defaults back beside
     # the queued experts configs; `first` (the 122B table) in the next call
-    gpu_tests 150 tests/test_kernels.py -m gpu -k "experts"
+    gpu_tests 150 tests/test_kernels.py -m gpu -k "experts or test_gdn_decode_gpu"
     gpu_tests 100 tests/test_small_ops.py -k "route or router"
-    timeout 380 python3 benchmarks/ab_step.py --variants routing-softmax-over-all,experts-rows-4-per-sm,\
+    timeout 380 python3 benchmarks/ab_step.py --variants routing-softmax-over-all,gdn-one-token-tile-128x4,\
+gdn-one-token-tile-128x8,experts-rows-4-per-sm,\
 experts-rows-down-16-per-sm,gate-up-one-row-split-6,gate-up-one-row-split-12,down-one-row-4-per-sm,\
 down-one-row-16-per-sm --rounds 3 2>&1 | tail -12
     ;;
