@@ -178,25 +178,10 @@ VARIANTS = {
     # session 25's verify-step defaults against what they replaced: the GDN kernel's tile at 2..5 tokens, the out
     # projections' K split at 2..4 rows
     "gdn-verify-tile-16x2": _module_setting("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2)),
-    # session 28: one program a value head at one token (64 on the 122B), its gated norm in the program, not in the
-    # key head's arrival round (which then only shifts the q/k conv windows)
-    "gdn-one-token-tile-128x4": _module_setting("roofline.kernels.gdn_decode", "ONE_TOKEN_TILE", (128, 4)),
-    "gdn-one-token-tile-128x8": _module_setting("roofline.kernels.gdn_decode", "ONE_TOKEN_TILE", (128, 8)),
     # session 27's verify default against the value it replaced: the routed experts' programs a SM at 2-4 rows
     "experts-rows-4-per-sm": ("roofline.kernels.int4_experts.ROWS_PROGRAMS_PER_SM=4.0, ROWS_DOWN_PROGRAMS_PER_SM=4.0", [
         ("roofline.kernels.int4_experts", "ROWS_PROGRAMS_PER_SM", 4.0),
         ("roofline.kernels.int4_experts", "ROWS_DOWN_PROGRAMS_PER_SM", 4.0)]),
-    # and a candidate: the down kernel's K split at 2-4 rows (1 -> 2), gate_up as it is
-    "experts-rows-down-16-per-sm": _module_setting("roofline.kernels.int4_experts", "ROWS_DOWN_PROGRAMS_PER_SM", 16.0),
-    # session 28: the routing weights as session 27 computed them (the softmax over all E experts, then renormalised
-    # over the chosen) against the chosen logits' own softmax (the same numbers, two 256-wide reductions fewer)
-    "routing-softmax-over-all": _module_setting("roofline.kernels.fp8_gemv", "ROUTE_SOFTMAX_OVER_ALL", True),
-    # session 27: the one-row experts' configs (sweeps of each kernel alone on the H200) against their neighbours in the
-    # step: gate_up's K split 8 (2048 one-warp programs) at 6 / 12, down's 8 programs a SM (K split 2) at 4 / 16 (1 / 3)
-    "gate-up-one-row-split-6": _module_setting("roofline.kernels.int4_experts", "ONE_ROW_GATE_UP_SPLIT", 6),
-    "gate-up-one-row-split-12": _module_setting("roofline.kernels.int4_experts", "ONE_ROW_GATE_UP_SPLIT", 12),
-    "down-one-row-4-per-sm": _module_setting("roofline.kernels.int4_experts", "ONE_ROW_DOWN_PROGRAMS_PER_SM", 4.0),
-    "down-one-row-16-per-sm": _module_setting("roofline.kernels.int4_experts", "ONE_ROW_DOWN_PROGRAMS_PER_SM", 16.0),
     "out-proj-verify-2-per-sm": _module_setting("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),

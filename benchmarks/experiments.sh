@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 28"), as phases that each fit one 10-minute
 # device call (session 26 on an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py`
-# call of two variants ~45-60 s; each with a ~50 s start); `next` first:
-#   OUT=... bash benchmarks/experiments.sh next     # the experts' and routing's GPU tests at sessions 27-28's
-#                                                   # defaults, their A/B back beside the queued experts configs
-#                                                   # (~6 min); then `first`
+# call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start); `tests` first (session 28 ran only the
+# changed kernels' GPU tests and the pooled step's greedy ones):
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -57,16 +55,6 @@ gpu_tests() {  # time limit, pytest arguments...
     | tail -15
 }
 case "${1:-}" in
-  next)  # NOTES "Session 28": the experts' and routing's GPU tests at sessions 27-28's defaults (8 programs a SM at
-    # 2-4 rows; the routing weights as the chosen logits' softmax), then one A/B (122B) of those defaults back beside
-    # the queued experts configs; `first` (the 122B table) in the next call
-    gpu_tests 150 tests/test_kernels.py -m gpu -k "experts or test_gdn_decode_gpu"
-    gpu_tests 100 tests/test_small_ops.py -k "route or router"
-    timeout 380 python3 benchmarks/ab_step.py --variants routing-softmax-over-all,gdn-one-token-tile-128x4,\
-gdn-one-token-tile-128x8,experts-rows-4-per-sm,\
-experts-rows-down-16-per-sm,gate-up-one-row-split-6,gate-up-one-row-split-12,down-one-row-4-per-sm,\
-down-one-row-16-per-sm --rounds 3 2>&1 | tail -12
-    ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile; first
     # the graph's greedy tokens against the reference path's (the pooled step's GPU tests)
     gpu_tests 120 tests/test_pooled_decode.py -m gpu -k greedy
@@ -127,7 +115,7 @@ down-one-row-16-per-sm --rounds 3 2>&1 | tail -12
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-order" >&2
     exit 2
     ;;
 esac

@@ -42,9 +42,6 @@ from ._common import (INTERPRET, MAX_ROWS, arrive, counters_for, decode_rows, ne
 from .int4_tc import SUMSQ_ROWS
 from .small_ops import softmax_top_k
 
-# ab_step's `routing-softmax-over-all` (session 28's A/B): the routing weights from the softmax over all E experts
-# renormalised over the chosen (session 27's form) instead of the chosen logits' own softmax (the same numbers)
-ROUTE_SOFTMAX_OVER_ALL = False
 
 @dataclass
 class NormOnLoad:
@@ -73,7 +70,7 @@ def _fp8_gemv_kernel(
     SBN: tl.constexpr, SBK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr,
     HAS_SCALE: tl.constexpr = True, PDL: tl.constexpr = False,
     experts_ptr=None, weights_ptr=None, E=0, TOPK: tl.constexpr = 0, KP: tl.constexpr = 1, BE: tl.constexpr = 1,
-    SOFTMAX_ALL: tl.constexpr = False, ss_ptr=None, nw_ptr=None, normed_ptr=None, eps=0.0, NT=1, NORM: tl.constexpr = False,
+    ss_ptr=None, nw_ptr=None, normed_ptr=None, eps=0.0, NT=1, NORM: tl.constexpr = False,
     NORM_OUT: tl.constexpr = False, NTP: tl.constexpr = 1, XS=0, GATED: tl.constexpr = False,
     ids_ptr=None, X_PER_ROW=1, WS_STRIDE=0, GROUPED: tl.constexpr = False,
 ):
@@ -136,7 +133,7 @@ def _fp8_gemv_kernel(
     if SPLIT_K == 1:
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=omask)
         if TOPK:
-            _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM, TOPK, KP, BE, SOFTMAX_ALL)
+            _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM, TOPK, KP, BE)
     else:
         tl.store(ws_ptr + pid_k * WS_STRIDE + offs, y, mask=omask)
         if arrive(cnt_ptr + pid_n, SPLIT_K):
@@ -144,7 +141,7 @@ def _fp8_gemv_kernel(
             tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=omask)
             reset(cnt_ptr + pid_n)
             if TOPK:
-                _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM, TOPK, KP, BE, SOFTMAX_ALL)
+                _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM, TOPK, KP, BE)
 
 
 @triton.jit
@@ -157,7 +154,7 @@ def _rows_rstd(ss_ptr, m, m_mask, NT, K, eps, NTP: tl.constexpr):
 
 @triton.jit
 def _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM: tl.constexpr, TOPK: tl.constexpr,
-                KP: tl.constexpr, BE: tl.constexpr, SOFTMAX_ALL: tl.constexpr):
+                KP: tl.constexpr, BE: tl.constexpr):
     """Called by each column tile's final writer: the last of them routes every row from the first E outputs
     (counter slot num_programs(0), after the tiles' own), as stored (16-bit logits route on int32 keys)."""
     tiles = tl.num_programs(0)
@@ -167,7 +164,7 @@ def _route_last(out_ptr, experts_ptr, weights_ptr, cnt_ptr, M, N, E, BM: tl.cons
         m = tl.arange(0, BM)[:, None]
         slot = tl.arange(0, KP)[None, :]
         z = tl.load(out_ptr + m * N + e, mask=(m < M) & emask, other=0, cache_modifier=".cg")
-        chosen, weights = softmax_top_k(z, e, emask, TOPK, KP, BE, SOFTMAX_ALL)  # all rows at once
+        chosen, weights = softmax_top_k(z, e, emask, TOPK, KP, BE)  # all rows at once
         tl.store(experts_ptr + m * TOPK + slot, chosen, mask=(m < M) & (slot < TOPK))
         tl.store(weights_ptr + m * TOPK + slot, weights, mask=(m < M) & (slot < TOPK))
         reset(cnt_ptr + tiles)
@@ -223,8 +220,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | 
     if route is not None:
         experts, weights, e = route
         top_k = experts.shape[-1]
-        routing = dict(experts_ptr=experts, weights_ptr=weights, E=e, TOPK=top_k, KP=next_pow2(top_k), BE=next_pow2(e),
-                       SOFTMAX_ALL=ROUTE_SOFTMAX_OVER_ALL)
+        routing = dict(experts_ptr=experts, weights_ptr=weights, E=e, TOPK=top_k, KP=next_pow2(top_k), BE=next_pow2(e))
     _fp8_gemv_kernel[(tiles, split)](
         x2, weight, scale_inv if scale_inv is not None else weight, out, ws, cnt, m, n, k, k_per_split,
         scale_inv.shape[-1] if scale_inv is not None else 0,

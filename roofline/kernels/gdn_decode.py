@@ -264,10 +264,7 @@ def _gdn_decode_kernel(
         d = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = _rank_one_update(s, k, d)
         o = tl.sum(s * q[:, None], axis=0)
-        if BV >= BDV:  # the program holds the whole head: its gated norm here, none in the arrival round
-            _gated_norm_store(o[None, :], tok, h, vv[None, :], vmask[None, :], z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, ty)
-        else:
-            tl.store(o_ws + (tok * HV + h) * DV + vv, o, mask=vmask)
+        tl.store(o_ws + (tok * HV + h) * DV + vv, o, mask=vmask)
         if SAVE_STEPS:  # what gdn_replay needs to redo this update: k, d, decay
             if j < M - 1:
                 rec = srec_ptr + (bi * (M - 1) + j).to(tl.int64) * REC
@@ -290,15 +287,15 @@ def _gdn_decode_kernel(
             _save_windows(qkv_row, hist, sconv, ck, dmask, C, QS, M, KERNEL)
         _shift_window(qkv_row, hist, cq, dmask, C, QS, M, KERNEL)
         _shift_window(qkv_row, hist, ck, dmask, C, QS, M, KERNEL)
-        if BV < BDV:  # the group's heads' gated norms, from the o vectors its programs wrote
-            gi = tl.arange(0, GROUPP)
-            dv = tl.arange(0, BDV)[None, :]
-            heads = (kh * GROUP + gi)[:, None]
-            omask = (gi < GROUP)[:, None] & (dv < DV)
-            for j in tl.static_range(M):
-                tok = bi * M + j
-                o_group = tl.load(o_ws + (tok * HV + heads) * DV + dv, mask=omask, other=0, cache_modifier=".cg")
-                _gated_norm_store(o_group, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, ty)
+        # the group's heads' gated norms, from the o vectors its programs wrote
+        gi = tl.arange(0, GROUPP)
+        dv = tl.arange(0, BDV)[None, :]
+        heads = (kh * GROUP + gi)[:, None]
+        omask = (gi < GROUP)[:, None] & (dv < DV)
+        for j in tl.static_range(M):
+            tok = bi * M + j
+            o_group = tl.load(o_ws + (tok * HV + heads) * DV + dv, mask=omask, other=0, cache_modifier=".cg")
+            _gated_norm_store(o_group, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, ty)
         reset(cnt)
 
 

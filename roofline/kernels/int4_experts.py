@@ -519,13 +519,14 @@ def _down_tc_kernel(
 # and exit. At 4 (the H200's run 7, a kernel-alone bench with fewer shared experts) gate_up kept ~2.4 working programs
 # a SM on an H100; at 8 its K split goes 2 -> 3 (down unchanged): H100, session 27, in the step (ab_step, 3 rounds)
 # the 122B's M = 3 verify graph 4.538 against 4.758 ms, every round; 12 (down split too) 4.561; one row unchanged; the
-# 35B-A3B's M = 3 the same at 8 (2.834 against 2.836), +0.07 at 12. The down kernel's own constant: its 48 column tiles
-# keep no K split up to ~8.7 a SM (~3.6 working programs a SM at M = 3); ab_step's experts-rows-down-16-per-sm gives it
-# a split of 2 (queued, session 27).
+# 35B-A3B's M = 3 the same at 8 (2.834 against 2.836), +0.07 at 12; session 28 (the same A/B back to 4): 4.565 against
+# 4.764. The down kernel's own constant: its 48 column tiles keep no K split up to ~8.7 a SM; at 16 (a split of 2) the
+# M = 3 graph was the same (session 28: -0.004 ms).
 ROWS_PROGRAMS_PER_SM = 8.0
 ROWS_DOWN_PROGRAMS_PER_SM = 8.0
-# The one-row configs (the H200 sweeps in _tc_expert_config's docstring, of each kernel alone), as constants so ab_step
-# can time their neighbours in the step on the card at hand (session 27: queued).
+# The one-row configs (the H200 sweeps in _tc_expert_config's docstring, of each kernel alone). In the step on an H100
+# (session 28, ab_step, 3 rounds, one-row graph 3.556 ms) their neighbours were no faster: gate_up's K split 6 +0.008,
+# 12 +0.096; down at 4 a SM (no split) +0.088, 16 (split 3) -0.012, inside the rounds' 0.04 ms spread.
 ONE_ROW_GATE_UP_SPLIT = 8
 ONE_ROW_DOWN_PROGRAMS_PER_SM = 8.0
 

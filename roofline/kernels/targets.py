@@ -65,7 +65,7 @@ def _cases():
            "cnt_ptr": "*i32", "ss_ptr": "*fp32", "nw_ptr": "*bf16", "normed_ptr": "*bf16", "experts_ptr": "*i64",
            "weights_ptr": "*fp32", "ids_ptr": "*i64"}
     base = {"SBN": 128, "SBK": 128, "SPLITP": 8, "PDL": True, "KP": 1, "BE": 1, "NTP": 32, "GROUPED": False,
-            "NORM_OUT": False, "ids_ptr": None, "SOFTMAX_ALL": False}
+            "NORM_OUT": False, "ids_ptr": None}
     router = {"HAS_SCALE": False, "TOPK": 8, "KP": 8, "BE": 256, "NORM": True, "NORM_OUT": True, "GATED": False}
     for name, extra, warps in [
         ("shared gate_up (8 x 128, norm on load)", {"BM": 1, "BN": 8, "BK": 128, "HAS_SCALE": True, "TOPK": 0,
