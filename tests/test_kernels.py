@@ -127,6 +127,7 @@ def test_int4_matmul_interpreter(m, n, k, group, sym, config):
     (2, 64, 768, False, {"tc": True, "KW": 1, "SPLIT_K": 1}),   # 6 steps in one program: the loop runs 3 times
     (3, 64, 640, False, {"tc": True, "KW": 1, "SPLIT_K": 2, "depth": 1}),  # one-buffer loop, 3 and 2 steps a split
     (1, 64, 512, True, {"tc": True, "KW": 2, "depth": 1}),      # one-buffer loop, two warp rows
+    (1, 96, 640, False, {"tc": True, "KW": 1, "SPLIT_K": 5, "depth": 1}),  # one row: its splits summed on every lane
     (3, 96, 1024, False, {"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 1, "depth": 1}),  # no_split_config (verify rows)
     (4, 64, 512, True, {"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 1, "depth": 1}),    # ... at four rows
 ])
@@ -617,6 +618,7 @@ def check_residual_and_norm(m, n, k, fp8, dtype, device, config=None, tol=1e-2):
 @cpu
 @pytest.mark.parametrize("m,n,k,fp8,config", [
     (1, 33, 256, False, None),  # split K
+    (1, 9, 640, False, {"KW": 1, "SPLIT_K": 5}),  # one row, 5 splits: the one-row sum (int4_tc.ONE_ROW_FLAT_SUM)
     (3, 17, 384, True, {"SPLIT_K": 1}),  # every program writes its tile's output
     (4, 24, 256, False, {"KW": 1, "SPLIT_K": 2}),
 ])

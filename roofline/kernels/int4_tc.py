@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from ._common import (INTERPRET, MAX_ROWS, arrive, counters_for, decode_rows, next_pow2, pdl_options, reset, sm_count,
-                      wait_for_inputs)
+                      sum_splits, wait_for_inputs)
 
 GROUP = 128  # the path handles group size 128 (the published checkpoints); others use int4_gemv's lanes path
 SUMSQ_ROWS = tl.constexpr(MAX_ROWS)  # the row stride of int4_matmul_residual's per-tile sums of squares
@@ -418,7 +418,7 @@ def _gemv_tc_kernel(
     M, N, K2, GROUPS, GPS,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr,
     SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
-    DEPTH: tl.constexpr = 2, res_ptr=None, ss_ptr=None, RESIDUAL: tl.constexpr = False,
+    DEPTH: tl.constexpr = 2, res_ptr=None, ss_ptr=None, RESIDUAL: tl.constexpr = False, ONE_ROW: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -442,14 +442,21 @@ def _gemv_tc_kernel(
         tl.store(ws_ptr + pid_k * M * N + o0, y0, mask=m0)
         tl.store(ws_ptr + pid_k * M * N + o1, y1, mask=m1)
         if arrive(cnt_ptr + pid_n, SPLIT_K):
-            t0 = tl.zeros([32 * WN, 4], dtype=tl.float32)
-            t1 = tl.zeros([32 * WN, 4], dtype=tl.float32)
-            for c in tl.static_range(0, SPLITP, 4):  # the partials of 4 splits at a time, loads together
-                sp = c + tl.arange(0, 4)[:, None, None]
-                ok = sp < SPLIT_K
-                t0 += tl.sum(tl.load(ws_ptr + sp * M * N + o0[None], mask=ok & m0[None], other=0, cache_modifier=".cg"), axis=0)
-                t1 += tl.sum(tl.load(ws_ptr + sp * M * N + o1[None], mask=ok & m1[None], other=0, cache_modifier=".cg"), axis=0)
-            _store_tile(out_ptr, res_ptr, ss_ptr, t0, t1, o0, o1, m0, m1, tok, pid_n, M, RESIDUAL)
+            if ONE_ROW:  # one token row: every thread sums its column's partials, up to 32 splits' loads at once
+                col1 = colbase + tl.arange(0, 32 * WN)[None, :]
+                tok1 = tl.zeros_like(col1)
+                t0 = sum_splits(ws_ptr, N, col1, col1 < N, SPLIT_K, SPLITP, ONE_ROW_SUM_CHUNK)
+                _store_tile(out_ptr, res_ptr, ss_ptr, t0, tl.zeros_like(t0), col1, col1 + N, col1 < N, tok1 > 0, tok1,
+                            pid_n, M, RESIDUAL)
+            else:
+                t0 = tl.zeros([32 * WN, 4], dtype=tl.float32)
+                t1 = tl.zeros([32 * WN, 4], dtype=tl.float32)
+                for c in tl.static_range(0, SPLITP, 4):  # the partials of 4 splits at a time, loads together
+                    sp = c + tl.arange(0, 4)[:, None, None]
+                    ok = sp < SPLIT_K
+                    t0 += tl.sum(tl.load(ws_ptr + sp * M * N + o0[None], mask=ok & m0[None], other=0, cache_modifier=".cg"), axis=0)
+                    t1 += tl.sum(tl.load(ws_ptr + sp * M * N + o1[None], mask=ok & m1[None], other=0, cache_modifier=".cg"), axis=0)
+                _store_tile(out_ptr, res_ptr, ss_ptr, t0, t1, o0, o1, m0, m1, tok, pid_n, M, RESIDUAL)
             reset(cnt_ptr + pid_n)
 
 
@@ -540,6 +547,12 @@ def one_buffer_loop(rows: int, n: int = 0) -> bool:
     return rows == 1 or (WIDE_TILES is not None and n >= WIDE_TILES * 128)
 
 
+# The K split's last program at one token row (session 28, to be measured): sums each column's partials on all its
+# threads, the loads of up to ONE_ROW_SUM_CHUNK splits at once, where the [32 WN, 4] tile of the multi-row layout
+# leaves three quarters of its lanes masked and loads 4 splits at a time. ab_step's `int4-one-row-tile-sum` turns it off.
+ONE_ROW_FLAT_SUM = True
+ONE_ROW_SUM_CHUNK = tl.constexpr(32)
+
 # Programs per SM of int4_matmul_residual (the MoE models' out projections) at 2..4 rows, in place of
 # default_tc_config's 2: H100, session 25 (ab_step, 122B, 3 rounds), 3 took the M = 3 verify graph 5.134 -> 5.068 ms
 # (out_proj's K split 11 -> 16); at one row (6 a SM, split 32) 3 was 0.105 ms slower.
@@ -622,6 +635,7 @@ def int4_matmul_tc(x: torch.Tensor, qweight, qzeros, scales, *, sym: bool, out=N
         QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
         **launch_options(cfg), **pdl_options(x.device),
         **({} if epilogue is None else dict(res_ptr=epilogue[0], ss_ptr=epilogue[1], RESIDUAL=True)),
+        ONE_ROW=m == 1 and ONE_ROW_FLAT_SUM,
     )
     return out.reshape(*lead, n)
 
@@ -787,7 +801,7 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
                 "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K2": "i32", "GROUPS": "i32", "GPS": "i32", "WN": "constexpr",
                 "KW": "constexpr", "SYM": "constexpr", "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr",
                 "EMULATE": "constexpr", "QBLK": "constexpr", "PDL": "constexpr", "DEPTH": "constexpr", "res_ptr": "*bf16",
-                "ss_ptr": "*fp32", "RESIDUAL": "constexpr"}
+                "ss_ptr": "*fp32", "RESIDUAL": "constexpr", "ONE_ROW": "constexpr"}
     expert_common = {"T": "i32", "GROUPS": "i32", "GPS": "i32", "QW_E": "i32", "QZ_E": "i32", "SC_E": "i32", "TOPK": "constexpr",
                      "TOPKP": "constexpr", "CH": "constexpr", "WN": "constexpr", "KW": "constexpr", "SYM": "constexpr",
                      "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr", "QBLK": "constexpr",
@@ -798,14 +812,17 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "sh_ptr": "*bf16", "sg_ptr": "*bf16", "SG_STRIDE": "i32",
                 "res_ptr": "*bf16", "SHARED": "constexpr", "RESIDUAL": "constexpr", "I2": "i32", "H": "i32", **expert_common}
     cases = [("gemv", _gemv_tc_kernel, gemv_sig, {"WN": wn, "KW": kw, "SYM": sym, "BF16": True, "SPLITP": 4, "EMULATE": False,
-                                                  "QBLK": False, "PDL": True, "DEPTH": 2, "RESIDUAL": False})
+                                                  "QBLK": False, "PDL": True, "DEPTH": 2, "RESIDUAL": False,
+                                                  "ONE_ROW": False})
              for wn, kw, sym in [(4, 1, True), (4, 1, False), (2, 2, True)]]
-    cases += [("gemv qblk", _gemv_tc_kernel, gemv_sig,
-               {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": True, "PDL": True,
-                "DEPTH": depth, "RESIDUAL": residual}) for depth, residual in [(2, False), (1, False), (1, True)]]
+    cases += [("gemv qblk", _gemv_tc_kernel, gemv_sig,  # the one-row step's (one-buffer loop, its split's sum)
+               {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": splitp, "EMULATE": False, "QBLK": True, "PDL": True,
+                "DEPTH": depth, "RESIDUAL": residual, "ONE_ROW": one_row})
+              for depth, residual, one_row, splitp in [(2, False, False, 4), (1, False, True, 8), (1, True, True, 32),
+                                                       (1, True, False, 4)]]
     cases += [("gemv no split", _gemv_tc_kernel, gemv_sig,  # no_split_config: the verify rows' wide GEMVs
                {"WN": 1, "KW": 4, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": qblk, "PDL": True,
-                "DEPTH": 1, "RESIDUAL": False}) for qblk in (False, True)]
+                "DEPTH": 1, "RESIDUAL": False, "ONE_ROW": False}) for qblk in (False, True)]
     cases += [(name, fn, sig, {"TOPK": 8, "TOPKP": 8, "CH": ch, "WN": wn, "KW": 1, "SYM": sym, "BF16": True, "SPLITP": 8,
                                "EMULATE": False, "QBLK": qblk, "PDL": True, "DEPTH": depth})
               for name, fn, sig in [("gate_up", _gate_up_tc_kernel, gate_up_sig), ("down", _down_tc_kernel, down_sig)]
