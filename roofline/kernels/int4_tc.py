@@ -547,9 +547,10 @@ def one_buffer_loop(rows: int, n: int = 0) -> bool:
     return rows == 1 or (WIDE_TILES is not None and n >= WIDE_TILES * 128)
 
 
-# The K split's last program at one token row (session 28, to be measured): sums each column's partials on all its
-# threads, the loads of up to ONE_ROW_SUM_CHUNK splits at once, where the [32 WN, 4] tile of the multi-row layout
-# leaves three quarters of its lanes masked and loads 4 splits at a time. ab_step's `int4-one-row-tile-sum` turns it off.
+# The K split's last program at one token row sums each column's partials on all its threads, the loads of up to
+# ONE_ROW_SUM_CHUNK splits at once, where the [32 WN, 4] tile of the multi-row layout leaves three quarters of its
+# lanes masked and loads 4 splits at a time: H100, session 28 (ab_step, 122B, 3 rounds), the one-row graph 3.502
+# against 3.548 ms (-0.045 to -0.077 a round); M = 3 unchanged. ab_step's `int4-one-row-tile-sum` turns it off.
 ONE_ROW_FLAT_SUM = True
 ONE_ROW_SUM_CHUNK = tl.constexpr(32)
 
