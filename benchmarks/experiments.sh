@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 28"), as phases that each fit one 10-minute
 # device call (session 26 on an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py`
-# call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start); `tests` first (session 28 ran only the
-# changed kernels' GPU tests and the pooled step's greedy ones); `next` holds session 28's last A/B:
-#   OUT=... bash benchmarks/experiments.sh next     # the INT4 one-row split sum: GPU tests, then its A/B (~3 min)
+# call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start). Next: `tests` (session 28 ran only the
+# changed kernels' GPU tests; 2 of the 4 greedy-token tests at its last commit), then `first` (no table has the INT4
+# one-row split sum yet):
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -56,12 +56,6 @@ gpu_tests() {  # time limit, pytest arguments...
     | tail -15
 }
 case "${1:-}" in
-  next)  # NOTES "Session 28": the INT4 GEMVs' one-row split sum, its GPU tests and the graph's greedy tokens, then its
-    # A/B (122B, 3 rounds)
-    gpu_tests 120 tests/test_kernels.py -m gpu -k "int4_matmul_gpu or int4_tc_repacked_gpu or residual_and_norm_on_load_gpu"
-    gpu_tests 90 tests/test_pooled_decode.py -m gpu -k greedy
-    timeout 150 python3 benchmarks/ab_step.py --variants int4-one-row-tile-sum --rounds 3 2>&1 | tail -4
-    ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile; first
     # the graph's greedy tokens against the reference path's (the pooled step's GPU tests)
     gpu_tests 120 tests/test_pooled_decode.py -m gpu -k greedy
@@ -122,7 +116,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-order" >&2
     exit 2
     ;;
 esac
