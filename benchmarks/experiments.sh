@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 28"), as phases that each fit one 10-minute
 # device call (session 26 on an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py`
-# call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start). Next: `tests` (session 28 ran only the
-# changed kernels' GPU tests; 2 of the 4 greedy-token tests at its last commit), then `first` (no table has the INT4
-# one-row split sum yet):
+# call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start); `next` first, then `first` (no table has
+# the INT4 one-row split sum yet), then `tests` / `tests-cli`:
+#   OUT=... bash benchmarks/experiments.sh next     # the experts' one-row flat finish: GPU tests and A/B, then the
+#                                                   # pooled-decode GPU tests (session 28 ran 2 of its 4 greedy
+#                                                   # tests at its last defaults) (~8 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -56,6 +58,13 @@ gpu_tests() {  # time limit, pytest arguments...
     | tail -15
 }
 case "${1:-}" in
+  next)  # NOTES "Session 28": the experts' one-row flat finish (off by default): its GPU tests, its A/B, then the
+    # pooled step's GPU tests (the greedy tokens at session 28's last defaults)
+    gpu_tests 120 tests/test_kernels.py -m gpu -k "one_row_flat_finish or test_experts_gpu"
+    timeout 150 python3 benchmarks/ab_step.py --variants experts-one-row-flat-finish,int4-one-row-tile-sum --rounds 3 \
+      2>&1 | tail -4
+    gpu_tests 280 -m gpu tests/test_pooled_decode.py -x
+    ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile; first
     # the graph's greedy tokens against the reference path's (the pooled step's GPU tests)
     gpu_tests 120 tests/test_pooled_decode.py -m gpu -k greedy
@@ -116,7 +125,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh first|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-order" >&2
     exit 2
     ;;
 esac

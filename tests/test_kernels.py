@@ -337,6 +337,16 @@ def test_experts_tc_interpreter(t, config):
     check_experts(t, 6, 256, 128, 3, 128, torch.float16, "cpu", config, tol=2e-3)
 
 
+@cpu
+def test_experts_tc_one_row_flat_finish_interpreter(monkeypatch):
+    """int4_experts.ONE_ROW_FLAT_FINISH (off until measured in the step): the one-row gate_up's K-split sum on every
+    lane of the tile's columns."""
+    from roofline.kernels import int4_experts
+
+    monkeypatch.setattr(int4_experts, "ONE_ROW_FLAT_FINISH", True)
+    check_experts(1, 6, 384, 128, 3, 128, torch.float16, "cpu", {"tc": True, "SPLIT_K": 3}, tol=2e-3)
+
+
 @gpu
 @pytest.mark.parametrize("tc", [False, True])
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 12])
@@ -415,6 +425,14 @@ def test_experts_gpu_split_and_mma():
     check_experts(16, 64, 3072, 1024, 8, 128, torch.float16, GPU, config={"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 5})
     for t in (1, 4):  # the fused MoE block's epilogue at real sizes, default configs
         check_experts(t, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, extra=True)
+
+
+@gpu
+def test_experts_gpu_one_row_flat_finish(monkeypatch):
+    from roofline.kernels import int4_experts
+
+    monkeypatch.setattr(int4_experts, "ONE_ROW_FLAT_FINISH", True)
+    check_experts(1, 256, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": True})
 
 
 def test_experts_reference_matches_model():

@@ -808,7 +808,7 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
                      "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr", "QBLK": "constexpr",
                      "PDL": "constexpr", "DEPTH": "constexpr"}
     gate_up_sig = {"x32_ptr": "*i32", "ids_ptr": "*i64", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "act_ptr": "*bf16",
-                   "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", **expert_common}
+                   "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", "ONE_ROW": "constexpr", **expert_common}
     down_sig = {"act32_ptr": "*i32", "ids_ptr": "*i64", "wts_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16",
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "sh_ptr": "*bf16", "sg_ptr": "*bf16", "SG_STRIDE": "i32",
                 "res_ptr": "*bf16", "SHARED": "constexpr", "RESIDUAL": "constexpr", "I2": "i32", "H": "i32", **expert_common}
@@ -832,6 +832,11 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     for case in cases:  # the down kernel's epilogue as the fused MoE block runs it (shared expert and residual added)
         if case[0] == "down":
             case[3].update(SHARED=True, RESIDUAL=True)
+        else:
+            case[3]["ONE_ROW"] = False
+    cases.append(("gate_up one row", _gate_up_tc_kernel, gate_up_sig,  # int4_experts.ONE_ROW_FLAT_FINISH's one-row sum
+                  {"TOPK": 8, "TOPKP": 8, "CH": 1, "WN": 1, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 8,
+                   "EMULATE": False, "QBLK": True, "PDL": True, "DEPTH": 1, "ONE_ROW": True}))
     for name, fn, sig, consts in cases:
         aligned = {a for a in sig if sig[a].startswith("*") or a in ("N", "K2", "I", "I2", "H", "QW_E", "QZ_E", "SC_E")}
         compiled = compile_offline(fn, sig, consts, aligned, target_arch, consts["WN"] * consts["KW"])
