@@ -448,39 +448,25 @@ def _gate_up_tc_kernel(
             tl.store(base + row1 * (2 * I) + I, u1, mask=m1)
             cnt = cnt_ptr + pid_s * tl.num_programs(0) + pid_n
             if arrive(cnt, SPLIT_K):
-                if ONE_ROW:  # one token (CH = 1), its owner's row: every lane sums its column's splits
-                    _gate_up_one_row_finish(ws_ptr, act_ptr, tl.sum(tok * TOPK + choice, axis=0), colbase, T, I, TOPK,
-                                            WN, SPLIT_K, SPLITP)
-                else:
-                    _gate_up_tc_finish(ws_ptr, act_ptr, row0, m0, col, T, I, TOPK, WN, SPLIT_K, SPLITP)
-                    _gate_up_tc_finish(ws_ptr, act_ptr, row1, m1, col, T, I, TOPK, WN, SPLIT_K, SPLITP)
+                if ONE_ROW:  # one token (CH = 1), its owner's row on every lane of the tile's columns, all splits'
+                    # loads at once (the [32 WN, 4] tile holds that row on a quarter of its lanes)
+                    col1 = colbase + tl.arange(0, 32 * WN)[None, :]
+                    _gate_up_tc_finish(ws_ptr, act_ptr, tl.sum(tok * TOPK + choice, axis=0), col1 < I, col1, T, I,
+                                       TOPK, SPLIT_K, SPLITP, SPLITP)
+                else:  # 4 splits' partials loaded together
+                    _gate_up_tc_finish(ws_ptr, act_ptr, row0, m0, col, T, I, TOPK, SPLIT_K, SPLITP, 4)
+                    _gate_up_tc_finish(ws_ptr, act_ptr, row1, m1, col, T, I, TOPK, SPLIT_K, SPLITP, 4)
                 reset(cnt)
 
 
 @triton.jit
-def _gate_up_tc_finish(ws_ptr, act_ptr, row, mask, col, T, I, TOPK: tl.constexpr, WN: tl.constexpr, SPLIT_K,
-                       SPLITP: tl.constexpr):
-    """Sum the K splits' gate and up partials of one set of rows and store silu(gate) * up."""
-    g = tl.zeros([32 * WN, 4], dtype=tl.float32)
-    u = tl.zeros([32 * WN, 4], dtype=tl.float32)
-    offs = (row * (2 * I) + col)[None]
-    for c in tl.static_range(0, SPLITP, 4):  # 4 splits' partials loaded together
-        sp = c + tl.arange(0, 4)[:, None, None]
-        m3 = (sp < SPLIT_K) & mask[None]
-        g += tl.sum(tl.load(ws_ptr + sp * (T * TOPK * 2 * I) + offs, mask=m3, other=0, cache_modifier=".cg"), axis=0)
-        u += tl.sum(tl.load(ws_ptr + sp * (T * TOPK * 2 * I) + I + offs, mask=m3, other=0, cache_modifier=".cg"), axis=0)
-    tl.store(act_ptr + row * I + col, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _gate_up_one_row_finish(ws_ptr, act_ptr, row, colbase, T, I, TOPK: tl.constexpr, WN: tl.constexpr, SPLIT_K,
-                            SPLITP: tl.constexpr):
-    """_gate_up_tc_finish for one act row on every lane of the tile's columns, all splits' loads at once (the
-    [32 WN, 4] tile holds one token's row on a quarter of its lanes)."""
-    col = colbase + tl.arange(0, 32 * WN)[None, :]
-    mask = col < I
-    g = sum_splits(ws_ptr, T * TOPK * 2 * I, row * (2 * I) + col, mask, SPLIT_K, SPLITP, SPLITP)
-    u = sum_splits(ws_ptr + I, T * TOPK * 2 * I, row * (2 * I) + col, mask, SPLIT_K, SPLITP, SPLITP)
+def _gate_up_tc_finish(ws_ptr, act_ptr, row, mask, col, T, I, TOPK: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr,
+                       CHUNK: tl.constexpr):
+    """Sum the K splits' gate and up partials of one set of rows (`row`, `mask` and `col` alike in shape, or `row` a
+    scalar), CHUNK splits' loads at a time, and store silu(gate) * up."""
+    offs = row * (2 * I) + col
+    g = sum_splits(ws_ptr, T * TOPK * 2 * I, offs, mask, SPLIT_K, SPLITP, CHUNK)
+    u = sum_splits(ws_ptr + I, T * TOPK * 2 * I, offs, mask, SPLIT_K, SPLITP, CHUNK)
     tl.store(act_ptr + row * I + col, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=mask)
 
 
@@ -545,7 +531,7 @@ ROWS_DOWN_PROGRAMS_PER_SM = 8.0
 # 12 +0.096; down at 4 a SM (no split) +0.088, 16 (split 3) -0.012, inside the rounds' 0.04 ms spread.
 ONE_ROW_GATE_UP_SPLIT = 8
 ONE_ROW_DOWN_PROGRAMS_PER_SM = 8.0
-# The one-row gate_up's split sum on every lane (`_gate_up_one_row_finish`), as int4_tc.ONE_ROW_FLAT_SUM took the INT4
+# The one-row gate_up's split sum on every lane (`_gate_up_tc_finish` on the tile's columns), as int4_tc.ONE_ROW_FLAT_SUM took the INT4
 # GEMVs' one-row graph 0.046 ms down (session 28). Built, not yet measured: off until ab_step's
 # `experts-one-row-flat-finish` shows it faster in the step.
 ONE_ROW_FLAT_FINISH = False

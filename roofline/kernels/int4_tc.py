@@ -448,14 +448,9 @@ def _gemv_tc_kernel(
                 t0 = sum_splits(ws_ptr, N, col1, col1 < N, SPLIT_K, SPLITP, ONE_ROW_SUM_CHUNK)
                 _store_tile(out_ptr, res_ptr, ss_ptr, t0, tl.zeros_like(t0), col1, col1 + N, col1 < N, tok1 > 0, tok1,
                             pid_n, M, RESIDUAL)
-            else:
-                t0 = tl.zeros([32 * WN, 4], dtype=tl.float32)
-                t1 = tl.zeros([32 * WN, 4], dtype=tl.float32)
-                for c in tl.static_range(0, SPLITP, 4):  # the partials of 4 splits at a time, loads together
-                    sp = c + tl.arange(0, 4)[:, None, None]
-                    ok = sp < SPLIT_K
-                    t0 += tl.sum(tl.load(ws_ptr + sp * M * N + o0[None], mask=ok & m0[None], other=0, cache_modifier=".cg"), axis=0)
-                    t1 += tl.sum(tl.load(ws_ptr + sp * M * N + o1[None], mask=ok & m1[None], other=0, cache_modifier=".cg"), axis=0)
+            else:  # the partials of 4 splits at a time, loads together
+                t0 = sum_splits(ws_ptr, M * N, o0, m0, SPLIT_K, SPLITP, 4)
+                t1 = sum_splits(ws_ptr, M * N, o1, m1, SPLIT_K, SPLITP, 4)
                 _store_tile(out_ptr, res_ptr, ss_ptr, t0, t1, o0, o1, m0, m1, tok, pid_n, M, RESIDUAL)
             reset(cnt_ptr + pid_n)
 
