@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 28"), as phases that each fit one 10-minute
+# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 29"), as phases that each fit one 10-minute
 # device call (session 26 on an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py`
 # call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start); `next` first, then `first` (no table has
 # the INT4 one-row split sum yet), then `tests` / `tests-cli`:
-#   OUT=... bash benchmarks/experiments.sh next     # the experts' one-row flat finish: GPU tests and A/B, then the
-#                                                   # pooled-decode GPU tests (session 28 ran 2 of its 4 greedy
-#                                                   # tests at its last defaults) (~8 min)
+#   OUT=... bash benchmarks/experiments.sh next     # the experts' one-row flat finish and the INT4 one-row sum's
+#                                                   # chunk cut to the split: GPU tests, A/B of 5 rounds (~5 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min)
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -58,12 +57,11 @@ gpu_tests() {  # time limit, pytest arguments...
     | tail -15
 }
 case "${1:-}" in
-  next)  # NOTES "Session 28": the experts' one-row flat finish (off by default): its GPU tests, its A/B, then the
-    # pooled step's GPU tests (the greedy tokens at session 28's last defaults)
-    gpu_tests 120 tests/test_kernels.py -m gpu -k "one_row_flat_finish or test_experts_gpu"
-    timeout 150 python3 benchmarks/ab_step.py --variants experts-one-row-flat-finish,int4-one-row-tile-sum --rounds 3 \
-      2>&1 | tail -4
-    gpu_tests 280 -m gpu tests/test_pooled_decode.py -x
+  next)  # NOTES "Session 29": the experts' one-row flat finish again (session 28: -0.016 ms, under its adoption bar in
+    # one round of 3) beside the INT4 one-row sum's chunk cut to the split, 5 rounds; their GPU tests first
+    gpu_tests 150 tests/test_kernels.py -m gpu -k "one_row_flat_finish or one_row_sum_chunk or one_buffer_loop_gpu"
+    timeout 300 python3 benchmarks/ab_step.py --variants experts-one-row-flat-finish,int4-one-row-sum-chunk-to-split \
+      --rounds 5 2>&1 | tail -4
     ;;
   first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile; first
     # the graph's greedy tokens against the reference path's (the pooled step's GPU tests; on a fresh machine their

@@ -136,6 +136,18 @@ def test_int4_tc_interpreter(m, n, k, sym, config):
     check_int4(m, n, k, 128, sym, torch.float16, "cpu", config, tol=2e-3)
 
 
+@cpu
+def test_int4_tc_one_row_sum_chunk_to_split_interpreter(monkeypatch):
+    """int4_tc.ONE_ROW_SUM_TO_SPLIT (off until measured in the step): the one-row split sum loads the split's power
+    of two at once (8 slots for 5 splits, not 32), plain and with the residual epilogue."""
+    from roofline.kernels import int4_tc
+
+    monkeypatch.setattr(int4_tc, "ONE_ROW_SUM_TO_SPLIT", True)
+    assert int4_tc.one_row_sum_chunk(8) == 8 and int4_tc.one_row_sum_chunk(64) == 32
+    check_int4(1, 96, 640, 128, False, torch.float16, "cpu", {"tc": True, "KW": 1, "SPLIT_K": 5, "depth": 1}, tol=2e-3)
+    check_residual_and_norm(1, 9, 640, False, torch.float16, "cpu", {"KW": 1, "SPLIT_K": 5})
+
+
 @pytest.mark.parametrize("bf16", [True, False])
 def test_int4_tc_asm_fragments(bf16):
     """int4_tc's PTX, run lane by lane in numpy (mma.m16n8k16 fragment layout from the PTX ISA), is the plain formula."""
@@ -413,6 +425,17 @@ def test_one_buffer_loop_gpu(t):
     """tc_groups' DEPTH=1 loop (the default at one row) at real sizes: GEMV (odd steps per split) and experts."""
     check_int4(t, 12288, 3072, 128, True, torch.bfloat16, GPU, config={"tc": True, "depth": 1, "SPLIT_K": 5})
     check_experts(t, 256, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": True, "depth": 1})
+
+
+@gpu
+def test_int4_gpu_one_row_sum_chunk_to_split(monkeypatch):
+    """ONE_ROW_SUM_TO_SPLIT at real sizes: an input projection's split (6 -> 8 slots), and 32 splits with the
+    residual epilogue (the out projections')."""
+    from roofline.kernels import int4_tc
+
+    monkeypatch.setattr(int4_tc, "ONE_ROW_SUM_TO_SPLIT", True)
+    check_int4(1, 12288, 3072, 128, True, torch.bfloat16, GPU, config={"tc": True, "depth": 1, "SPLIT_K": 6})
+    check_residual_and_norm(1, 257, 8192, False, torch.bfloat16, GPU, {"SPLIT_K": 32})
 
 
 @gpu
