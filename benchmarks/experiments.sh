@@ -6,7 +6,7 @@
 #   OUT=... bash benchmarks/experiments.sh next     # the experts' one-row flat finish and the INT4 one-row sum's
 #                                                   # chunk cut to the split: GPU tests, A/B of 5 rounds (~5 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
-#                                                   # profile (~5 min)
+#                                                   # profile (~5 min); `table`: without its greedy GPU tests
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
 #                                                   # where an MTP-2 step through Engine.step spends its time
 #                                                   # (profile_mtp_engine.py, then unprofiled without PDL; H100,
@@ -56,6 +56,11 @@ gpu_tests() {  # time limit, pytest arguments...
   timeout -s INT -k 15 "$limit" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --durations=20" "$@" 2>&1 \
     | tail -15
 }
+table_122b() {  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile
+  timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
+    --capacity "$(capacity)" --engine-tokens 256 --batch-decode 0 --profile --out "$OUT/$day-synthetic-qwen3.5-122b-a10b.json" 2>&1 \
+    | tee "$OUT/synthetic-122b.log" | grep -v "^| _\|^| void" | tail -70
+}
 case "${1:-}" in
   next)  # NOTES "Session 29": the experts' one-row flat finish again (session 28: -0.016 ms, under its adoption bar in
     # one round of 3) beside the INT4 one-row sum's chunk cut to the split, 5 rounds; their GPU tests first
@@ -63,13 +68,14 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/ab_step.py --variants experts-one-row-flat-finish,int4-one-row-sum-chunk-to-split \
       --rounds 5 2>&1 | tail -4
     ;;
-  first)  # the full 122B table: decode, distinct-id verify rows, prefill, the engine loop, the kernel profile; first
+  first)  # the 122B table (table_122b); first
     # the graph's greedy tokens against the reference path's (the pooled step's GPU tests; on a fresh machine their
     # kernels compile for ~2 minutes: session 28's 120 s limit cut them after 2 of 4)
     gpu_tests 200 tests/test_pooled_decode.py -m gpu -k greedy
-    timeout 280 python3 -m roofline.cli bench synthetic --shape qwen3.5-122b-a10b --repeats 10 --prefill 4K,32K \
-      --capacity "$(capacity)" --engine-tokens 256 --batch-decode 0 --profile --out "$OUT/$day-synthetic-qwen3.5-122b-a10b.json" 2>&1 \
-      | tee "$OUT/synthetic-122b.log" | grep -v "^| _\|^| void" | tail -70
+    table_122b
+    ;;
+  table)  # `first` without its greedy GPU tests (where they ran at the same default kernels), ~4.5 min
+    table_122b
     ;;
   mtp)  # the profile, then without PDL: graph launch host costs (unprofiled) against the default's
     len=$([ "$(capacity)" = 256K ] && echo 262144 || echo 131072)  # capture_graphs' start time and memory at that context
@@ -124,7 +130,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-order" >&2
     exit 2
     ;;
 esac
