@@ -185,11 +185,6 @@ VARIANTS = {
     # session 28: the INT4 GEMVs' K-split sum at one row on the multi-row tile's lanes (4 splits' loads at a time, a
     # quarter of the lanes holding the row) against every lane summing its column's splits, 32 splits' loads at once
     "int4-one-row-tile-sum": _module_setting("roofline.kernels.int4_tc", "ONE_ROW_FLAT_SUM", False),
-    # and built beside it, not yet measured: the routed experts' one-row gate_up summing its K splits the same way
-    "experts-one-row-flat-finish": _module_setting("roofline.kernels.int4_experts", "ONE_ROW_FLAT_FINISH", True),
-    # session 29: the INT4 one-row split sum's loads cut to the split's power of two (8 slots at the input
-    # projections' ~6 splits, where 32 were issued, most masked off)
-    "int4-one-row-sum-chunk-to-split": _module_setting("roofline.kernels.int4_tc", "ONE_ROW_SUM_TO_SPLIT", True),
     "out-proj-verify-2-per-sm": _module_setting("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),

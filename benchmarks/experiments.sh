@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 29"), as phases that each fit one 10-minute
 # device call (session 26 on an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py`
-# call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start); `next` first, then `first` (no table has
-# the INT4 one-row split sum yet), then `tests` / `tests-cli`:
-#   OUT=... bash benchmarks/experiments.sh next     # the experts' one-row flat finish and the INT4 one-row sum's
-#                                                   # chunk cut to the split: GPU tests, A/B of 5 rounds (~5 min)
+# call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start). Session 29 ran `first`'s table, `shapes`,
+# `tests` and `tests-cli` at today's defaults; `next` is what waits:
+#   OUT=... bash benchmarks/experiments.sh next     # the kernels' GPU test file whole (~6 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min); `table`: without its greedy GPU tests
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then
@@ -62,11 +61,9 @@ table_122b() {  # the full 122B table: decode, distinct-id verify rows, prefill,
     | tee "$OUT/synthetic-122b.log" | grep -v "^| _\|^| void" | tail -70
 }
 case "${1:-}" in
-  next)  # NOTES "Session 29": the experts' one-row flat finish again (session 28: -0.016 ms, under its adoption bar in
-    # one round of 3) beside the INT4 one-row sum's chunk cut to the split, 5 rounds; their GPU tests first
-    gpu_tests 150 tests/test_kernels.py -m gpu -k "one_row_flat_finish or one_row_sum_chunk or one_buffer_loop_gpu"
-    timeout 300 python3 benchmarks/ab_step.py --variants experts-one-row-flat-finish,int4-one-row-sum-chunk-to-split \
-      --rounds 5 2>&1 | tail -4
+  next)  # the kernels' GPU test file whole (session 26 ran 119 of its 126 before a 215 s limit; sessions 28-29 ran
+    # the experts, INT4 and GDN parts at today's defaults), ~6 min
+    gpu_tests 420 tests/test_kernels.py -m gpu
     ;;
   first)  # the 122B table (table_122b); first
     # the graph's greedy tokens against the reference path's (the pooled step's GPU tests; on a fresh machine their

@@ -136,18 +136,6 @@ def test_int4_tc_interpreter(m, n, k, sym, config):
     check_int4(m, n, k, 128, sym, torch.float16, "cpu", config, tol=2e-3)
 
 
-@cpu
-def test_int4_tc_one_row_sum_chunk_to_split_interpreter(monkeypatch):
-    """int4_tc.ONE_ROW_SUM_TO_SPLIT (off until measured in the step): the one-row split sum loads the split's power
-    of two at once (8 slots for 5 splits, not 32), plain and with the residual epilogue."""
-    from roofline.kernels import int4_tc
-
-    monkeypatch.setattr(int4_tc, "ONE_ROW_SUM_TO_SPLIT", True)
-    assert int4_tc.one_row_sum_chunk(8) == 8 and int4_tc.one_row_sum_chunk(64) == 32
-    check_int4(1, 96, 640, 128, False, torch.float16, "cpu", {"tc": True, "KW": 1, "SPLIT_K": 5, "depth": 1}, tol=2e-3)
-    check_residual_and_norm(1, 9, 640, False, torch.float16, "cpu", {"KW": 1, "SPLIT_K": 5})
-
-
 @pytest.mark.parametrize("bf16", [True, False])
 def test_int4_tc_asm_fragments(bf16):
     """int4_tc's PTX, run lane by lane in numpy (mma.m16n8k16 fragment layout from the PTX ISA), is the plain formula."""
@@ -349,16 +337,6 @@ def test_experts_tc_interpreter(t, config):
     check_experts(t, 6, 256, 128, 3, 128, torch.float16, "cpu", config, tol=2e-3)
 
 
-@cpu
-def test_experts_tc_one_row_flat_finish_interpreter(monkeypatch):
-    """int4_experts.ONE_ROW_FLAT_FINISH (off until measured in the step): the one-row gate_up's K-split sum on every
-    lane of the tile's columns."""
-    from roofline.kernels import int4_experts
-
-    monkeypatch.setattr(int4_experts, "ONE_ROW_FLAT_FINISH", True)
-    check_experts(1, 6, 384, 128, 3, 128, torch.float16, "cpu", {"tc": True, "SPLIT_K": 3}, tol=2e-3)
-
-
 @gpu
 @pytest.mark.parametrize("tc", [False, True])
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 12])
@@ -428,17 +406,6 @@ def test_one_buffer_loop_gpu(t):
 
 
 @gpu
-def test_int4_gpu_one_row_sum_chunk_to_split(monkeypatch):
-    """ONE_ROW_SUM_TO_SPLIT at real sizes: an input projection's split (6 -> 8 slots), and 32 splits with the
-    residual epilogue (the out projections')."""
-    from roofline.kernels import int4_tc
-
-    monkeypatch.setattr(int4_tc, "ONE_ROW_SUM_TO_SPLIT", True)
-    check_int4(1, 12288, 3072, 128, True, torch.bfloat16, GPU, config={"tc": True, "depth": 1, "SPLIT_K": 6})
-    check_residual_and_norm(1, 257, 8192, False, torch.bfloat16, GPU, {"SPLIT_K": 32})
-
-
-@gpu
 def test_experts_gpu_split_and_mma():
     check_experts(4, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"mma": True, "SPLIT_K": 3})
     check_experts(3, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"mma": False, "SPLIT_K": 1})
@@ -448,14 +415,6 @@ def test_experts_gpu_split_and_mma():
     check_experts(16, 64, 3072, 1024, 8, 128, torch.float16, GPU, config={"tc": True, "WN": 1, "KW": 4, "SPLIT_K": 5})
     for t in (1, 4):  # the fused MoE block's epilogue at real sizes, default configs
         check_experts(t, 64, 3072, 1024, 8, 128, torch.bfloat16, GPU, extra=True)
-
-
-@gpu
-def test_experts_gpu_one_row_flat_finish(monkeypatch):
-    from roofline.kernels import int4_experts
-
-    monkeypatch.setattr(int4_experts, "ONE_ROW_FLAT_FINISH", True)
-    check_experts(1, 256, 3072, 1024, 8, 128, torch.bfloat16, GPU, config={"tc": True})
 
 
 def test_experts_reference_matches_model():

@@ -412,7 +412,7 @@ def _gate_up_tc_kernel(
     T, K2, I, GROUPS, GPS, QW_E, QZ_E, SC_E,
     TOPK: tl.constexpr, TOPKP: tl.constexpr, CH: tl.constexpr, WN: tl.constexpr, KW: tl.constexpr,
     SYM: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr,
-    QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2, ONE_ROW: tl.constexpr = False,
+    QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
 ):
     wait_for_inputs(PDL)  # which weights to read comes from the router's output
     pid_n = tl.program_id(0)
@@ -448,25 +448,18 @@ def _gate_up_tc_kernel(
             tl.store(base + row1 * (2 * I) + I, u1, mask=m1)
             cnt = cnt_ptr + pid_s * tl.num_programs(0) + pid_n
             if arrive(cnt, SPLIT_K):
-                if ONE_ROW:  # one token (CH = 1), its owner's row on every lane of the tile's columns, all splits'
-                    # loads at once (the [32 WN, 4] tile holds that row on a quarter of its lanes)
-                    col1 = colbase + tl.arange(0, 32 * WN)[None, :]
-                    _gate_up_tc_finish(ws_ptr, act_ptr, tl.sum(tok * TOPK + choice, axis=0), col1 < I, col1, T, I,
-                                       TOPK, SPLIT_K, SPLITP, SPLITP)
-                else:  # 4 splits' partials loaded together
-                    _gate_up_tc_finish(ws_ptr, act_ptr, row0, m0, col, T, I, TOPK, SPLIT_K, SPLITP, 4)
-                    _gate_up_tc_finish(ws_ptr, act_ptr, row1, m1, col, T, I, TOPK, SPLIT_K, SPLITP, 4)
+                _gate_up_tc_finish(ws_ptr, act_ptr, row0, m0, col, T, I, TOPK, SPLIT_K, SPLITP)
+                _gate_up_tc_finish(ws_ptr, act_ptr, row1, m1, col, T, I, TOPK, SPLIT_K, SPLITP)
                 reset(cnt)
 
 
 @triton.jit
-def _gate_up_tc_finish(ws_ptr, act_ptr, row, mask, col, T, I, TOPK: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr,
-                       CHUNK: tl.constexpr):
-    """Sum the K splits' gate and up partials of one set of rows (`row`, `mask` and `col` alike in shape, or `row` a
-    scalar), CHUNK splits' loads at a time, and store silu(gate) * up."""
+def _gate_up_tc_finish(ws_ptr, act_ptr, row, mask, col, T, I, TOPK: tl.constexpr, SPLIT_K, SPLITP: tl.constexpr):
+    """Sum the K splits' gate and up partials of one set of rows (`row`, `mask` and `col` alike in shape), 4 splits'
+    loads at a time, and store silu(gate) * up."""
     offs = row * (2 * I) + col
-    g = sum_splits(ws_ptr, T * TOPK * 2 * I, offs, mask, SPLIT_K, SPLITP, CHUNK)
-    u = sum_splits(ws_ptr + I, T * TOPK * 2 * I, offs, mask, SPLIT_K, SPLITP, CHUNK)
+    g = sum_splits(ws_ptr, T * TOPK * 2 * I, offs, mask, SPLIT_K, SPLITP, 4)
+    u = sum_splits(ws_ptr + I, T * TOPK * 2 * I, offs, mask, SPLIT_K, SPLITP, 4)
     tl.store(act_ptr + row * I + col, (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty), mask=mask)
 
 
@@ -531,10 +524,10 @@ ROWS_DOWN_PROGRAMS_PER_SM = 8.0
 # 12 +0.096; down at 4 a SM (no split) +0.088, 16 (split 3) -0.012, inside the rounds' 0.04 ms spread.
 ONE_ROW_GATE_UP_SPLIT = 8
 ONE_ROW_DOWN_PROGRAMS_PER_SM = 8.0
-# The one-row gate_up's split sum on every lane (`_gate_up_tc_finish` on the tile's columns), as int4_tc.ONE_ROW_FLAT_SUM took the INT4
-# GEMVs' one-row graph 0.046 ms down (session 28). Built, not yet measured: off until ab_step's
-# `experts-one-row-flat-finish` shows it faster in the step.
-ONE_ROW_FLAT_FINISH = False
+# The one-row gate_up's split sum stays on the [32 WN, 4] tile (a quarter of its lanes hold the row): summed on every
+# lane instead, as int4_tc.ONE_ROW_FLAT_SUM does for the INT4 GEMVs, it measured -0.016 / -0.018 ms in the one-row
+# step (H100, sessions 28-29, ab_step, 3 then 5 rounds; one round of 8 slower), inside the drift the untouched M = 3
+# graph showed (-0.010 / -0.028): not adopted, removed (session 29; the code is d2e6a6d's).
 
 
 def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
@@ -589,7 +582,7 @@ def _experts_gate_up_tc(x, ids, qweight, qzeros, scales, sym, out, config, count
         TOPK=topk, TOPKP=next_pow2(topk), CH=ch, WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym),
         BF16=x.dtype == torch.bfloat16, SPLIT_K=split, SPLITP=max(4, next_pow2(split)), EMULATE=INTERPRET,
         QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
-        ONE_ROW=t == 1 and ONE_ROW_FLAT_FINISH, **launch_options(cfg), **pdl_options(x.device),
+        **launch_options(cfg), **pdl_options(x.device),
     )
     return act
 

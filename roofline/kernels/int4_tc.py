@@ -419,7 +419,6 @@ def _gemv_tc_kernel(
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr,
     SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
     DEPTH: tl.constexpr = 2, res_ptr=None, ss_ptr=None, RESIDUAL: tl.constexpr = False, ONE_ROW: tl.constexpr = False,
-    SUM_CHUNK: tl.constexpr = 32,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -443,10 +442,10 @@ def _gemv_tc_kernel(
         tl.store(ws_ptr + pid_k * M * N + o0, y0, mask=m0)
         tl.store(ws_ptr + pid_k * M * N + o1, y1, mask=m1)
         if arrive(cnt_ptr + pid_n, SPLIT_K):
-            if ONE_ROW:  # one token row: every thread sums its column's partials, SUM_CHUNK splits' loads at once
+            if ONE_ROW:  # one token row: every thread sums its column's partials, up to 32 splits' loads at once
                 col1 = colbase + tl.arange(0, 32 * WN)[None, :]
                 tok1 = tl.zeros_like(col1)
-                t0 = sum_splits(ws_ptr, N, col1, col1 < N, SPLIT_K, SPLITP, SUM_CHUNK)
+                t0 = sum_splits(ws_ptr, N, col1, col1 < N, SPLIT_K, SPLITP, ONE_ROW_SUM_CHUNK)
                 _store_tile(out_ptr, res_ptr, ss_ptr, t0, tl.zeros_like(t0), col1, col1 + N, col1 < N, tok1 > 0, tok1,
                             pid_n, M, RESIDUAL)
             else:  # the partials of 4 splits at a time, loads together
@@ -548,15 +547,9 @@ def one_buffer_loop(rows: int, n: int = 0) -> bool:
 # lanes masked and loads 4 splits at a time: H100, session 28 (ab_step, 122B, 3 rounds), the one-row graph 3.502
 # against 3.548 ms (-0.045 to -0.077 a round); M = 3 unchanged. ab_step's `int4-one-row-tile-sum` turns it off.
 ONE_ROW_FLAT_SUM = True
-ONE_ROW_SUM_CHUNK = 32
-# Built in session 29, not yet measured: the chunk cut to the split's power of two (the input projections split ~6
-# ways, so 24 of the 32 slots' loads are masked off); ab_step's `int4-one-row-sum-chunk-to-split` turns it on.
-ONE_ROW_SUM_TO_SPLIT = False
-
-
-def one_row_sum_chunk(splitp: int) -> int:
-    """The one-row split sum's loads at once (see ONE_ROW_SUM_TO_SPLIT) for `splitp`, the split's power of two."""
-    return min(ONE_ROW_SUM_CHUNK, splitp) if ONE_ROW_SUM_TO_SPLIT else ONE_ROW_SUM_CHUNK
+# 32 slots' loads whatever the split (most masked off at the input projections' ~6 splits): the chunk cut to the
+# split's power of two was +0.007 ms at one row, slower in all 5 rounds (H100, session 29, ab_step).
+ONE_ROW_SUM_CHUNK = tl.constexpr(32)
 
 # Programs per SM of int4_matmul_residual (the MoE models' out projections) at 2..4 rows, in place of
 # default_tc_config's 2: H100, session 25 (ab_step, 122B, 3 rounds), 3 took the M = 3 verify graph 5.134 -> 5.068 ms
@@ -633,15 +626,14 @@ def int4_matmul_tc(x: torch.Tensor, qweight, qzeros, scales, *, sym: bool, out=N
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ws = torch.empty(split if split > 1 else 1, m, n, dtype=torch.float32, device=x.device)
     cnt = counters if counters is not None else counters_for("int4_gemv_tc", tiles, x.device)
-    splitp = max(4, next_pow2(split))
     _gemv_tc_kernel[(tiles, split)](
         x2.view(torch.int32), qweight, qzeros, scales, out, ws, cnt, m, n, k // 2, k // GROUP, gps,
         WN=cfg["WN"], KW=cfg["KW"], SYM=bool(sym), BF16=x.dtype == torch.bfloat16, SPLIT_K=split,
-        SPLITP=splitp, EMULATE=None if cfg.get("probe_loads_only") else INTERPRET,
+        SPLITP=max(4, next_pow2(split)), EMULATE=None if cfg.get("probe_loads_only") else INTERPRET,
         QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
         **launch_options(cfg), **pdl_options(x.device),
         **({} if epilogue is None else dict(res_ptr=epilogue[0], ss_ptr=epilogue[1], RESIDUAL=True)),
-        ONE_ROW=m == 1 and ONE_ROW_FLAT_SUM, SUM_CHUNK=one_row_sum_chunk(splitp),
+        ONE_ROW=m == 1 and ONE_ROW_FLAT_SUM,
     )
     return out.reshape(*lead, n)
 
@@ -807,29 +799,28 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
                 "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K2": "i32", "GROUPS": "i32", "GPS": "i32", "WN": "constexpr",
                 "KW": "constexpr", "SYM": "constexpr", "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr",
                 "EMULATE": "constexpr", "QBLK": "constexpr", "PDL": "constexpr", "DEPTH": "constexpr", "res_ptr": "*bf16",
-                "ss_ptr": "*fp32", "RESIDUAL": "constexpr", "ONE_ROW": "constexpr", "SUM_CHUNK": "constexpr"}
+                "ss_ptr": "*fp32", "RESIDUAL": "constexpr", "ONE_ROW": "constexpr"}
     expert_common = {"T": "i32", "GROUPS": "i32", "GPS": "i32", "QW_E": "i32", "QZ_E": "i32", "SC_E": "i32", "TOPK": "constexpr",
                      "TOPKP": "constexpr", "CH": "constexpr", "WN": "constexpr", "KW": "constexpr", "SYM": "constexpr",
                      "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr", "QBLK": "constexpr",
                      "PDL": "constexpr", "DEPTH": "constexpr"}
     gate_up_sig = {"x32_ptr": "*i32", "ids_ptr": "*i64", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16", "act_ptr": "*bf16",
-                   "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", "ONE_ROW": "constexpr", **expert_common}
+                   "ws_ptr": "*fp32", "cnt_ptr": "*i32", "K2": "i32", "I": "i32", **expert_common}
     down_sig = {"act32_ptr": "*i32", "ids_ptr": "*i64", "wts_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16",
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "sh_ptr": "*bf16", "sg_ptr": "*bf16", "SG_STRIDE": "i32",
                 "res_ptr": "*bf16", "SHARED": "constexpr", "RESIDUAL": "constexpr", "I2": "i32", "H": "i32", **expert_common}
     cases = [("gemv", _gemv_tc_kernel, gemv_sig, {"WN": wn, "KW": kw, "SYM": sym, "BF16": True, "SPLITP": 4, "EMULATE": False,
                                                   "QBLK": False, "PDL": True, "DEPTH": 2, "RESIDUAL": False,
-                                                  "ONE_ROW": False, "SUM_CHUNK": 32})
+                                                  "ONE_ROW": False})
              for wn, kw, sym in [(4, 1, True), (4, 1, False), (2, 2, True)]]
     cases += [("gemv qblk", _gemv_tc_kernel, gemv_sig,  # the one-row step's (one-buffer loop, its split's sum)
                {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": splitp, "EMULATE": False, "QBLK": True, "PDL": True,
-                "DEPTH": depth, "RESIDUAL": residual, "ONE_ROW": one_row, "SUM_CHUNK": chunk})
-              for depth, residual, one_row, splitp, chunk in [(2, False, False, 4, 32), (1, False, True, 8, 32),
-                                                              (1, False, True, 8, 8), (1, True, True, 32, 32),
-                                                              (1, True, False, 4, 32)]]
+                "DEPTH": depth, "RESIDUAL": residual, "ONE_ROW": one_row})
+              for depth, residual, one_row, splitp in [(2, False, False, 4), (1, False, True, 8), (1, True, True, 32),
+                                                       (1, True, False, 4)]]
     cases += [("gemv no split", _gemv_tc_kernel, gemv_sig,  # no_split_config: the verify rows' wide GEMVs
                {"WN": 1, "KW": 4, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": qblk, "PDL": True,
-                "DEPTH": 1, "RESIDUAL": False, "ONE_ROW": False, "SUM_CHUNK": 32}) for qblk in (False, True)]
+                "DEPTH": 1, "RESIDUAL": False, "ONE_ROW": False}) for qblk in (False, True)]
     cases += [(name, fn, sig, {"TOPK": 8, "TOPKP": 8, "CH": ch, "WN": wn, "KW": 1, "SYM": sym, "BF16": True, "SPLITP": 8,
                                "EMULATE": False, "QBLK": qblk, "PDL": True, "DEPTH": depth})
               for name, fn, sig in [("gate_up", _gate_up_tc_kernel, gate_up_sig), ("down", _down_tc_kernel, down_sig)]
@@ -838,11 +829,6 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     for case in cases:  # the down kernel's epilogue as the fused MoE block runs it (shared expert and residual added)
         if case[0] == "down":
             case[3].update(SHARED=True, RESIDUAL=True)
-        else:
-            case[3]["ONE_ROW"] = False
-    cases.append(("gate_up one row", _gate_up_tc_kernel, gate_up_sig,  # int4_experts.ONE_ROW_FLAT_FINISH's one-row sum
-                  {"TOPK": 8, "TOPKP": 8, "CH": 1, "WN": 1, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 8,
-                   "EMULATE": False, "QBLK": True, "PDL": True, "DEPTH": 1, "ONE_ROW": True}))
     for name, fn, sig, consts in cases:
         aligned = {a for a in sig if sig[a].startswith("*") or a in ("N", "K2", "I", "I2", "H", "QW_E", "QZ_E", "SC_E")}
         compiled = compile_offline(fn, sig, consts, aligned, target_arch, consts["WN"] * consts["KW"])
