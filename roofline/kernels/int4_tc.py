@@ -548,7 +548,7 @@ def one_buffer_loop(rows: int, n: int = 0) -> bool:
 # against 3.548 ms (-0.045 to -0.077 a round); M = 3 unchanged. ab_step's `int4-one-row-tile-sum` turns it off.
 ONE_ROW_FLAT_SUM = True
 # 32 slots' loads whatever the split (most masked off at the input projections' ~6 splits): the chunk cut to the
-# split's power of two was +0.007 ms at one row, slower in all 5 rounds (H100, session 29, ab_step).
+# split's power of two was +0.007 ms at one row, slower in 4 of 5 rounds (H100, session 29, ab_step).
 ONE_ROW_SUM_CHUNK = tl.constexpr(32)
 
 # Programs per SM of int4_matmul_residual (the MoE models' out projections) at 2..4 rows, in place of
