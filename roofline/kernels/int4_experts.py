@@ -527,7 +527,7 @@ ONE_ROW_DOWN_PROGRAMS_PER_SM = 8.0
 # The one-row gate_up's split sum stays on the [32 WN, 4] tile (a quarter of its lanes hold the row): summed on every
 # lane instead, as int4_tc.ONE_ROW_FLAT_SUM does for the INT4 GEMVs, it measured -0.016 / -0.018 ms in the one-row
 # step (H100, sessions 28-29, ab_step, 3 then 5 rounds; one round of 8 slower), inside the drift the untouched M = 3
-# graph showed (-0.010 / -0.028): not adopted, removed (session 29; the code is d2e6a6d's).
+# graph showed (-0.010 / -0.028): not adopted; removed in session 29 (built in d2e6a6d).
 
 
 def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
