@@ -186,13 +186,8 @@ VARIANTS = {
     # quarter of the lanes holding the row) against every lane summing its column's splits, 32 splits' loads at once
     "int4-one-row-tile-sum": _module_setting("roofline.kernels.int4_tc", "ONE_ROW_FLAT_SUM", False),
     "out-proj-verify-2-per-sm": _module_setting("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
-    # session 30: the GDN kernel's gated norms by each value head's last program (two arrival rounds) against the key
-    # head's last program for all GROUP heads; and, timing only, without the q/k windows' round (what a position-indexed
-    # conv ring would save at most)
-    "gdn-norm-per-head": _module_setting("roofline.kernels.gdn_decode", "NORM_PER_HEAD", True),
-    "timing-gdn-no-qk-shift": _timing_only(
-        "skipped", ("roofline.kernels.gdn_decode", "TIMING_NO_QK_SHIFT", True),
-        ("roofline.kernels.gdn_decode", "NORM_PER_HEAD", True)),
+    # session 30: the GDN kernel's state tile and v windows stored after its arrival round, not before
+    "gdn-late-stores": _module_setting("roofline.kernels.gdn_decode", "LATE_STORES", True),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),

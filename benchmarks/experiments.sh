@@ -120,9 +120,9 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify,router-two-rows --rounds 3 2>&1 \
       | tail -30
     ;;
-  ab-gdn)  # session 30: the GDN kernel's norms per value head, and the stand-in without the q/k windows' round
+  ab-gdn)  # session 30: the GDN kernel's stores after its arrival round
     gpu_tests 200 tests/test_kernels.py -m gpu -k "gdn"
-    timeout 330 python3 benchmarks/ab_step.py --variants gdn-norm-per-head,timing-gdn-no-qk-shift --rounds 5 2>&1 \
+    timeout 330 python3 benchmarks/ab_step.py --variants gdn-late-stores --rounds 5 2>&1 \
       | tail -30
     ;;
   ab-order)  # the MTP engine keeps GPTQ order because its verify rows measured faster there on one id repeated

@@ -871,43 +871,20 @@ def test_gdn_decode_pool_gpu(m, merged):
 @pytest.mark.parametrize("bsz,pool,m,hk,hv,dk,dv,dtype,block_v,save", [
     (2, 3, 1, 2, 4, 16, 16, torch.float32, 8, "none"),
     (1, 3, 3, 2, 4, 16, 24, torch.float16, 8, "both"),   # dv not a multiple of the block, the rollback's saves
-    (2, 4, 2, 1, 3, 8, 12, torch.float32, 4, "conv"),    # 3 value heads a key head
 ])
-def test_gdn_decode_norm_per_head_interpreter(monkeypatch, bsz, pool, m, hk, hv, dk, dv, dtype, block_v, save):
-    """NORM_PER_HEAD: each value head's last program runs its gated norm and the key head's last only moves the q/k
-    windows (two arrival rounds): the same outputs, states, windows and saves as the reference, counters left zero."""
-    monkeypatch.setattr(gdn_decode_module, "NORM_PER_HEAD", True)
+def test_gdn_decode_late_stores_interpreter(monkeypatch, bsz, pool, m, hk, hv, dk, dv, dtype, block_v, save):
+    """LATE_STORES: each program stores its state tile and v windows after its arrival: the same outputs, states,
+    windows and saves as the reference, over successive steps (each reads what the last stored)."""
+    monkeypatch.setattr(gdn_decode_module, "LATE_STORES", True)
     check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, "cpu", block_v, True, save, tol=2e-3, two_buffers=m > 1)
 
 
 @gpu
 @pytest.mark.parametrize("m", [1, 3])
-def test_gdn_decode_norm_per_head_gpu(monkeypatch, m):
-    monkeypatch.setattr(gdn_decode_module, "NORM_PER_HEAD", True)
+def test_gdn_decode_late_stores_gpu(monkeypatch, m):
+    monkeypatch.setattr(gdn_decode_module, "LATE_STORES", True)
     check_gdn_pool(3, 5, m, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="both", merged=True,
                    two_buffers=m > 1)
-
-
-@cpu
-def test_gdn_timing_stand_in_skips_only_the_q_k_windows(monkeypatch):
-    """ab_step's timing-gdn-no-qk-shift: the step's outputs and state as the reference's, the v channels' windows
-    moved, the q/k channels' windows left as they were (what it leaves out, and nothing else)."""
-    monkeypatch.setattr(gdn_decode_module, "NORM_PER_HEAD", True)
-    monkeypatch.setattr(gdn_decode_module, "TIMING_NO_QK_SHIFT", True)
-    hk, hv, dk, dv = 2, 4, 8, 8
-    fixed, pools, inp = gdn_pool_inputs(2, 2, 1, hk, hv, dk, dv, torch.float32, "cpu", 4)
-    ref_pools = {k: v.clone() for k, v in pools.items()}
-    before = pools["conv_state"].clone()
-    args = [fixed[k] for k in ("conv_weight", "A_log", "dt_bias", "norm_weight")]
-    y = gdn_decode(inp["qkv"], inp["z"], inp["b"], inp["a"], pools["conv_state"], *args, pools["state"], hk, block_v=4)
-    ry = gdn_decode_reference(inp["qkv"], inp["z"], inp["b"], inp["a"], ref_pools["conv_state"], *args,
-                              ref_pools["state"], hk)
-    assert rel_err(y, ry) < 1e-4 and rel_err(pools["state"], ref_pools["state"]) < 1e-4
-    key = 2 * hk * dk
-    assert torch.equal(pools["conv_state"][..., :key], before[..., :key])
-    assert torch.equal(pools["conv_state"][..., key:], ref_pools["conv_state"][..., key:])
-    assert not torch.equal(ref_pools["conv_state"][..., :key], before[..., :key])
-    assert_counters_zero()
 
 
 def check_gdn_replay(bsz, m, hk, hv, dk, dv, dtype, device, block_v=None, num_warps=None):

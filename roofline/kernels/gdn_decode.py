@@ -60,13 +60,11 @@ MAX_TOKENS = 5  # tokens per sequence in one step (1 decode token + up to 4 MTP 
 # bits differ from one-token steps' (gdn_replay redoes the verify's own updates from its records: unaffected).
 ONE_TOKEN_TILE = (16, 2)
 VERIFY_TILE = (32, 4)
-# Who runs the gated norms (session 30, candidate): False, the last program of each key head runs its GROUP heads'
-# norms one after another (one arrival round); True, the last program of each value head runs that head's (a second
-# arrival round), and the key head's last program only moves the q/k windows. TIMING_NO_QK_SHIFT (ab_step's
-# timing-only stand-in, wrong conv windows) drops the q/k windows' round too: what a position-indexed conv ring that
-# never moves them would save at most.
-NORM_PER_HEAD = False
-TIMING_NO_QK_SHIFT = False
+# Where a program stores its state tile and its v windows (session 30, candidate): False, before its arrival; True,
+# after it (the last program's norms then run beside the others' stores). The arrival's release waits for a
+# program's earlier stores to reach L2, 8 KB of state a program at one token; nothing in the kernel reads them.
+# Session 30's A/B (H100): a second arrival round a GDN layer cost the step ~0.035 ms, ~1 us a layer.
+LATE_STORES = False
 
 
 def _check_step_outputs(bsz, m, conv_state, state, num_k_heads, step_records, step_conv):
@@ -215,12 +213,12 @@ def _rank_one_update(s, k, d):
 @triton.jit
 def _gdn_decode_kernel(
     qkv_ptr, z_ptr, b_ptr, a_ptr, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, nw_ptr, state_ptr, out_ptr, o_ws, cnt_ptr,
-    hcnt_ptr, slot_ptr, rin_ptr, rout_ptr, srec_ptr, sconv_ptr,
+    slot_ptr, rin_ptr, rout_ptr, srec_ptr, sconv_ptr,
     C, KEY, HV, HK, DK, DV, eps, QS, ZS, BS, AS, REC,
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     NVB, KERNEL: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, SAVE_CONV: tl.constexpr, NORM_PER_HEAD: tl.constexpr,
-    QK_SHIFT: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, SAVE_CONV: tl.constexpr, LATE_STORES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     vb = tl.program_id(0)
     h = tl.program_id(1)
@@ -281,57 +279,43 @@ def _gdn_decode_kernel(
                         tl.store(rec + kh * DK + dk, k, mask=dmask)
                     tl.store(rec + HK * DK + HV * DV + h, decay)
                 tl.store(rec + HK * DK + h * DV + vv, d, mask=vmask)
-    tl.store(state_ptr + row_out * HV * DK * DV + tile, s, mask=smask)
     sconv = sconv_ptr + (bi * (M - 1)).to(tl.int64) * (KERNEL - 1) * C
+    if not LATE_STORES:
+        _store_own(state_ptr + row_out * HV * DK * DV + tile, s, smask, qkv_row, hist, sconv, cv, vmask, C, QS, M,
+                   KERNEL, SAVE_CONV)
+
+    cnt = cnt_ptr + bi * HK + kh
+    if arrive(cnt, GROUP * NVB):
+        # every program of this key head has read the old window and written its o
+        if SAVE_CONV:
+            _save_windows(qkv_row, hist, sconv, cq, dmask, C, QS, M, KERNEL)
+            _save_windows(qkv_row, hist, sconv, ck, dmask, C, QS, M, KERNEL)
+        _shift_window(qkv_row, hist, cq, dmask, C, QS, M, KERNEL)
+        _shift_window(qkv_row, hist, ck, dmask, C, QS, M, KERNEL)
+        # the group's heads' gated norms, from the o vectors its programs wrote
+        gi = tl.arange(0, GROUPP)
+        dv = tl.arange(0, BDV)[None, :]
+        heads = (kh * GROUP + gi)[:, None]
+        omask = (gi < GROUP)[:, None] & (dv < DV)
+        for j in tl.static_range(M):
+            tok = bi * M + j
+            o_group = tl.load(o_ws + (tok * HV + heads) * DV + dv, mask=omask, other=0, cache_modifier=".cg")
+            _gated_norm_store(o_group, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, ty)
+        reset(cnt)
+    if LATE_STORES:
+        _store_own(state_ptr + row_out * HV * DK * DV + tile, s, smask, qkv_row, hist, sconv, cv, vmask, C, QS, M,
+                   KERNEL, SAVE_CONV)
+
+
+@triton.jit
+def _store_own(s_out, s, smask, qkv_row, hist, sconv, cv, vmask, C, QS, M: tl.constexpr, KERNEL: tl.constexpr,
+               SAVE_CONV: tl.constexpr):
+    """A program's own results besides o: its tile of the new state, and its v channels' windows (saved first for a
+    verify step's rollback, then moved)."""
+    tl.store(s_out, s, mask=smask)
     if SAVE_CONV:
         _save_windows(qkv_row, hist, sconv, cv, vmask, C, QS, M, KERNEL)
-    _shift_window(qkv_row, hist, cv, vmask, C, QS, M, KERNEL)  # this program's own v channels
-
-    if NORM_PER_HEAD:
-        # the head's gated norm by the last of its NVB programs, then the key head's q/k window by the last of its
-        # GROUP * NVB: the norms run on GROUP programs at once instead of one after another in one
-        hcnt = hcnt_ptr + bi * HV + h
-        if arrive(hcnt, NVB):
-            _group_norms(o_ws, h, 1, 1, bi, z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, BDV, M, ty)
-            reset(hcnt)
-        if QK_SHIFT:
-            cnt = cnt_ptr + bi * HK + kh
-            if arrive(cnt, GROUP * NVB):
-                _shift_qk(qkv_row, hist, sconv, cq, ck, dmask, C, QS, M, KERNEL, SAVE_CONV)
-                reset(cnt)
-    else:
-        cnt = cnt_ptr + bi * HK + kh
-        if arrive(cnt, GROUP * NVB):
-            # every program of this key head has read the old window and written its o
-            _shift_qk(qkv_row, hist, sconv, cq, ck, dmask, C, QS, M, KERNEL, SAVE_CONV)
-            _group_norms(o_ws, kh * GROUP, GROUP, GROUPP, bi, z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, BDV, M, ty)
-            reset(cnt)
-
-
-@triton.jit
-def _shift_qk(qkv_row, hist, sconv, cq, ck, dmask, C, QS, M: tl.constexpr, KERNEL: tl.constexpr,
-              SAVE_CONV: tl.constexpr):
-    """A key head's q and k conv windows (saved first for a verify step's rollback), once all its programs read them."""
-    if SAVE_CONV:
-        _save_windows(qkv_row, hist, sconv, cq, dmask, C, QS, M, KERNEL)
-        _save_windows(qkv_row, hist, sconv, ck, dmask, C, QS, M, KERNEL)
-    _shift_window(qkv_row, hist, cq, dmask, C, QS, M, KERNEL)
-    _shift_window(qkv_row, hist, ck, dmask, C, QS, M, KERNEL)
-
-
-@triton.jit
-def _group_norms(o_ws, first_head, NHEADS: tl.constexpr, NHEADSP: tl.constexpr, bi, z_ptr, ZS, nw_ptr, out_ptr, HV,
-                 DV, eps, BDV: tl.constexpr, M: tl.constexpr, ty: tl.constexpr):
-    """Heads first_head .. + NHEADS: their gated norms for the step's M tokens, from the o vectors their programs
-    wrote to the workspace."""
-    gi = tl.arange(0, NHEADSP)
-    dv = tl.arange(0, BDV)[None, :]
-    heads = (first_head + gi)[:, None]
-    omask = (gi < NHEADS)[:, None] & (dv < DV)
-    for j in tl.static_range(M):
-        tok = bi * M + j
-        o_group = tl.load(o_ws + (tok * HV + heads) * DV + dv, mask=omask, other=0, cache_modifier=".cg")
-        _gated_norm_store(o_group, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, ty)
+    _shift_window(qkv_row, hist, cv, vmask, C, QS, M, KERNEL)
 
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -379,17 +363,15 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         out = torch.empty(n, hv * dv, dtype=qkv.dtype, device=qkv.device)
     o_ws = torch.empty(n, hv, dv, dtype=torch.float32, device=qkv.device)
     cnt = counters if counters is not None else counters_for("gdn_decode", bsz * num_k_heads, qkv.device)
-    head_cnt = counters_for("gdn_decode heads", bsz * hv, qkv.device) if NORM_PER_HEAD else cnt
     (qkv, qs), (z, zs), (b, bs), (a, as_) = (rows_in_place(t) for t in (qkv, z, b, a))
     _gdn_decode_kernel[(nvb, hv, bsz)](
         qkv, z, b, a, conv_state, conv_weight.contiguous(),
-        A_log, dt_bias, norm_weight, state, out, o_ws, cnt, head_cnt,
+        A_log, dt_bias, norm_weight, state, out, o_ws, cnt,
         *rows, step_records if save_steps else state, step_conv if save_conv else conv_state,
         conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_, step_record_size(num_k_heads, dk, hv, dv),
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
         CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps,
-        SAVE_CONV=save_conv, NORM_PER_HEAD=NORM_PER_HEAD, QK_SHIFT=not (NORM_PER_HEAD and TIMING_NO_QK_SHIFT),
-        num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
+        SAVE_CONV=save_conv, LATE_STORES=LATE_STORES, num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
     )
     return out
 
