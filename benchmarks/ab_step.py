@@ -186,8 +186,6 @@ VARIANTS = {
     # quarter of the lanes holding the row) against every lane summing its column's splits, 32 splits' loads at once
     "int4-one-row-tile-sum": _module_setting("roofline.kernels.int4_tc", "ONE_ROW_FLAT_SUM", False),
     "out-proj-verify-2-per-sm": _module_setting("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
-    # session 30: the GDN kernel's state tile and v windows stored after its arrival round, not before
-    "gdn-late-stores": _module_setting("roofline.kernels.gdn_decode", "LATE_STORES", True),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),
@@ -240,6 +238,7 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
     pool = CachePool(model.config, model.config.layer_types, 1, 4096, model.device, model.dtype, state_buffers=2)
     cache = pool.acquire()
     fill_context(SyntheticRun(model, pool, None, cache, None), 0)
+
     def measure(name: str, repeats: int) -> dict:
         with variant(name):
             graphs = DecodeGraphs(model, pool, 1, use_graphs=cuda)  # captured under the variant's flags

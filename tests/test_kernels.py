@@ -867,26 +867,6 @@ def test_gdn_decode_pool_gpu(m, merged):
                    two_buffers=m > 1)
 
 
-@cpu
-@pytest.mark.parametrize("bsz,pool,m,hk,hv,dk,dv,dtype,block_v,save", [
-    (2, 3, 1, 2, 4, 16, 16, torch.float32, 8, "none"),
-    (1, 3, 3, 2, 4, 16, 24, torch.float16, 8, "both"),   # dv not a multiple of the block, the rollback's saves
-])
-def test_gdn_decode_late_stores_interpreter(monkeypatch, bsz, pool, m, hk, hv, dk, dv, dtype, block_v, save):
-    """LATE_STORES: each program stores its state tile and v windows after its arrival: the same outputs, states,
-    windows and saves as the reference, over successive steps (each reads what the last stored)."""
-    monkeypatch.setattr(gdn_decode_module, "LATE_STORES", True)
-    check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, "cpu", block_v, True, save, tol=2e-3, two_buffers=m > 1)
-
-
-@gpu
-@pytest.mark.parametrize("m", [1, 3])
-def test_gdn_decode_late_stores_gpu(monkeypatch, m):
-    monkeypatch.setattr(gdn_decode_module, "LATE_STORES", True)
-    check_gdn_pool(3, 5, m, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="both", merged=True,
-                   two_buffers=m > 1)
-
-
 def check_gdn_replay(bsz, m, hk, hv, dk, dv, dtype, device, block_v=None, num_warps=None):
     """gdn_replay after an M-token verify step (two layers, two state buffers per slot): for every kept < M it rebuilds
     in the spare row the state that the same kernel (the same tile) leaves after only the first `kept` tokens, bit for

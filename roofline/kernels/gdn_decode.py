@@ -60,11 +60,6 @@ MAX_TOKENS = 5  # tokens per sequence in one step (1 decode token + up to 4 MTP 
 # bits differ from one-token steps' (gdn_replay redoes the verify's own updates from its records: unaffected).
 ONE_TOKEN_TILE = (16, 2)
 VERIFY_TILE = (32, 4)
-# Where a program stores its state tile and its v windows (session 30, candidate): False, before its arrival; True,
-# after it (the last program's norms then run beside the others' stores). The arrival's release waits for a
-# program's earlier stores to reach L2, 8 KB of state a program at one token; nothing in the kernel reads them.
-# Session 30's A/B (H100): a second arrival round a GDN layer cost the step ~0.035 ms, ~1 us a layer.
-LATE_STORES = False
 
 
 def _check_step_outputs(bsz, m, conv_state, state, num_k_heads, step_records, step_conv):
@@ -217,8 +212,7 @@ def _gdn_decode_kernel(
     C, KEY, HV, HK, DK, DV, eps, QS, ZS, BS, AS, REC,
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     NVB, KERNEL: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, SAVE_CONV: tl.constexpr, LATE_STORES: tl.constexpr,
-    PDL: tl.constexpr = False,
+    HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, SAVE_CONV: tl.constexpr, PDL: tl.constexpr = False,
 ):
     vb = tl.program_id(0)
     h = tl.program_id(1)
@@ -279,10 +273,11 @@ def _gdn_decode_kernel(
                         tl.store(rec + kh * DK + dk, k, mask=dmask)
                     tl.store(rec + HK * DK + HV * DV + h, decay)
                 tl.store(rec + HK * DK + h * DV + vv, d, mask=vmask)
+    tl.store(state_ptr + row_out * HV * DK * DV + tile, s, mask=smask)
     sconv = sconv_ptr + (bi * (M - 1)).to(tl.int64) * (KERNEL - 1) * C
-    if not LATE_STORES:
-        _store_own(state_ptr + row_out * HV * DK * DV + tile, s, smask, qkv_row, hist, sconv, cv, vmask, C, QS, M,
-                   KERNEL, SAVE_CONV)
+    if SAVE_CONV:
+        _save_windows(qkv_row, hist, sconv, cv, vmask, C, QS, M, KERNEL)
+    _shift_window(qkv_row, hist, cv, vmask, C, QS, M, KERNEL)  # this program's own v channels
 
     cnt = cnt_ptr + bi * HK + kh
     if arrive(cnt, GROUP * NVB):
@@ -302,20 +297,6 @@ def _gdn_decode_kernel(
             o_group = tl.load(o_ws + (tok * HV + heads) * DV + dv, mask=omask, other=0, cache_modifier=".cg")
             _gated_norm_store(o_group, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, ty)
         reset(cnt)
-    if LATE_STORES:
-        _store_own(state_ptr + row_out * HV * DK * DV + tile, s, smask, qkv_row, hist, sconv, cv, vmask, C, QS, M,
-                   KERNEL, SAVE_CONV)
-
-
-@triton.jit
-def _store_own(s_out, s, smask, qkv_row, hist, sconv, cv, vmask, C, QS, M: tl.constexpr, KERNEL: tl.constexpr,
-               SAVE_CONV: tl.constexpr):
-    """A program's own results besides o: its tile of the new state, and its v channels' windows (saved first for a
-    verify step's rollback, then moved)."""
-    tl.store(s_out, s, mask=smask)
-    if SAVE_CONV:
-        _save_windows(qkv_row, hist, sconv, cv, vmask, C, QS, M, KERNEL)
-    _shift_window(qkv_row, hist, cv, vmask, C, QS, M, KERNEL)
 
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -371,7 +352,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_, step_record_size(num_k_heads, dk, hv, dv),
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
         CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps,
-        SAVE_CONV=save_conv, LATE_STORES=LATE_STORES, num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
+        SAVE_CONV=save_conv, num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
     )
     return out
 
