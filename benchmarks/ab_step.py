@@ -186,6 +186,9 @@ VARIANTS = {
     # quarter of the lanes holding the row) against every lane summing its column's splits, 32 splits' loads at once
     "int4-one-row-tile-sum": _module_setting("roofline.kernels.int4_tc", "ONE_ROW_FLAT_SUM", False),
     "out-proj-verify-2-per-sm": _module_setting("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
+    # session 30, timing only: the GDN kernel without moving or saving the conv windows (a position-indexed ring's most)
+    "timing-gdn-no-windows": _timing_only("no window moves or saves", (
+        "roofline.kernels.gdn_decode", "TIMING_NO_WINDOWS", True)),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),

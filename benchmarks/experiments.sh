@@ -120,6 +120,10 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify,router-two-rows --rounds 3 2>&1 \
       | tail -30
     ;;
+  ab-windows)  # session 30: what moving and saving the GDN conv windows costs (timing only)
+    gpu_tests 100 tests/test_kernels.py -m gpu -k "gdn_decode_pool"
+    timeout 330 python3 benchmarks/ab_step.py --variants timing-gdn-no-windows --rounds 5 2>&1 | tail -30
+    ;;
   ab-order)  # the MTP engine keeps GPTQ order because its verify rows measured faster there on one id repeated
     for round in a b; do
       ROOFLINE_INT4_QBLK=0 synthetic "gptq-order-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
@@ -127,7 +131,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-windows|ab-order" >&2
     exit 2
     ;;
 esac

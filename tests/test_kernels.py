@@ -867,6 +867,29 @@ def test_gdn_decode_pool_gpu(m, merged):
                    two_buffers=m > 1)
 
 
+@cpu
+def test_gdn_timing_stand_in_leaves_only_the_windows_out(monkeypatch):
+    """ab_step's timing-gdn-no-windows: a verify step's outputs, state and records as the reference's, the conv windows
+    neither moved nor saved (what it leaves out, and nothing else)."""
+    monkeypatch.setattr(gdn_decode_module, "TIMING_NO_WINDOWS", True)
+    bsz, m, hk, hv, dk, dv, c = 2, 3, 2, 4, 8, 8, 2 * 2 * 8 + 4 * 8
+    fixed, pools, inp = gdn_pool_inputs(bsz, bsz, m, hk, hv, dk, dv, torch.float32, "cpu")
+    ref_pools = {k: v.clone() for k, v in pools.items()}
+    before = pools["conv_state"].clone()
+    args = [fixed[k] for k in ("conv_weight", "A_log", "dt_bias", "norm_weight")]
+    rec, ref_rec = (torch.zeros(bsz, m - 1, step_record_size(hk, dk, hv, dv)) for _ in range(2))
+    saved = torch.zeros(bsz, m - 1, 3, c)
+    step = [inp[k] for k in ("qkv", "z", "b", "a")]
+    y = gdn_decode(*step, pools["conv_state"], *args, pools["state"], hk, tokens_per_seq=m, step_records=rec,
+                   step_conv=saved, block_v=4)
+    ry = gdn_decode_reference(*step, ref_pools["conv_state"], *args, ref_pools["state"], hk, tokens_per_seq=m,
+                              step_records=ref_rec)
+    assert rel_err(y, ry) < 1e-4 and rel_err(pools["state"], ref_pools["state"]) < 1e-4 and rel_err(rec, ref_rec) < 1e-4
+    assert torch.equal(pools["conv_state"], before) and not torch.equal(ref_pools["conv_state"], before)
+    assert not saved.any()
+    assert_counters_zero()
+
+
 def check_gdn_replay(bsz, m, hk, hv, dk, dv, dtype, device, block_v=None, num_warps=None):
     """gdn_replay after an M-token verify step (two layers, two state buffers per slot): for every kept < M it rebuilds
     in the spare row the state that the same kernel (the same tile) leaves after only the first `kept` tokens, bit for

@@ -60,6 +60,10 @@ MAX_TOKENS = 5  # tokens per sequence in one step (1 decode token + up to 4 MTP 
 # bits differ from one-token steps' (gdn_replay redoes the verify's own updates from its records: unaffected).
 ONE_TOKEN_TILE = (16, 2)
 VERIFY_TILE = (32, 4)
+# Timing only (ab_step's timing-gdn-no-windows; wrong conv windows): no program moves or saves the conv windows, as
+# with a position-indexed ring of K-1+M rows, where the step's new rows land in rows no program of the step reads
+# and a rollback only moves the position back: the most such a ring could save (session 30).
+TIMING_NO_WINDOWS = False
 
 
 def _check_step_outputs(bsz, m, conv_state, state, num_k_heads, step_records, step_conv):
@@ -212,7 +216,8 @@ def _gdn_decode_kernel(
     C, KEY, HV, HK, DK, DV, eps, QS, ZS, BS, AS, REC,
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     NVB, KERNEL: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, SAVE_CONV: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, SAVE_CONV: tl.constexpr, WINDOWS: tl.constexpr = True,
+    PDL: tl.constexpr = False,
 ):
     vb = tl.program_id(0)
     h = tl.program_id(1)
@@ -275,18 +280,20 @@ def _gdn_decode_kernel(
                 tl.store(rec + HK * DK + h * DV + vv, d, mask=vmask)
     tl.store(state_ptr + row_out * HV * DK * DV + tile, s, mask=smask)
     sconv = sconv_ptr + (bi * (M - 1)).to(tl.int64) * (KERNEL - 1) * C
-    if SAVE_CONV:
-        _save_windows(qkv_row, hist, sconv, cv, vmask, C, QS, M, KERNEL)
-    _shift_window(qkv_row, hist, cv, vmask, C, QS, M, KERNEL)  # this program's own v channels
+    if WINDOWS:
+        if SAVE_CONV:
+            _save_windows(qkv_row, hist, sconv, cv, vmask, C, QS, M, KERNEL)
+        _shift_window(qkv_row, hist, cv, vmask, C, QS, M, KERNEL)  # this program's own v channels
 
     cnt = cnt_ptr + bi * HK + kh
     if arrive(cnt, GROUP * NVB):
         # every program of this key head has read the old window and written its o
-        if SAVE_CONV:
-            _save_windows(qkv_row, hist, sconv, cq, dmask, C, QS, M, KERNEL)
-            _save_windows(qkv_row, hist, sconv, ck, dmask, C, QS, M, KERNEL)
-        _shift_window(qkv_row, hist, cq, dmask, C, QS, M, KERNEL)
-        _shift_window(qkv_row, hist, ck, dmask, C, QS, M, KERNEL)
+        if WINDOWS:
+            if SAVE_CONV:
+                _save_windows(qkv_row, hist, sconv, cq, dmask, C, QS, M, KERNEL)
+                _save_windows(qkv_row, hist, sconv, ck, dmask, C, QS, M, KERNEL)
+            _shift_window(qkv_row, hist, cq, dmask, C, QS, M, KERNEL)
+            _shift_window(qkv_row, hist, ck, dmask, C, QS, M, KERNEL)
         # the group's heads' gated norms, from the o vectors its programs wrote
         gi = tl.arange(0, GROUPP)
         dv = tl.arange(0, BDV)[None, :]
@@ -352,7 +359,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_, step_record_size(num_k_heads, dk, hv, dv),
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
         CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps,
-        SAVE_CONV=save_conv, num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
+        SAVE_CONV=save_conv, WINDOWS=not TIMING_NO_WINDOWS, num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
     )
     return out
 
