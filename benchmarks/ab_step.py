@@ -189,6 +189,9 @@ VARIANTS = {
     # session 30, timing only: the GDN kernel without moving or saving the conv windows (a position-indexed ring's most)
     "timing-gdn-no-windows": _timing_only("no window moves or saves", (
         "roofline.kernels.gdn_decode", "TIMING_NO_WINDOWS", True)),
+    # and without its arrival round (no gated norms, no q/k windows' move; o as the output)
+    "timing-gdn-no-norm-round": _timing_only("o as the output", (
+        "roofline.kernels.gdn_decode", "TIMING_NO_NORM_ROUND", True)),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),

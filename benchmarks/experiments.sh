@@ -120,9 +120,9 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify,router-two-rows --rounds 3 2>&1 \
       | tail -30
     ;;
-  ab-windows)  # session 30: what moving and saving the GDN conv windows costs (timing only)
-    gpu_tests 100 tests/test_kernels.py -m gpu -k "gdn_decode_pool"
-    timeout 330 python3 benchmarks/ab_step.py --variants timing-gdn-no-windows --rounds 5 2>&1 | tail -30
+  ab-windows)  # session 30: what moving and saving the GDN conv windows costs, and its norms' round (timing only)
+    timeout 330 python3 benchmarks/ab_step.py --variants timing-gdn-no-windows,timing-gdn-no-norm-round --rounds 5 \
+      2>&1 | tail -30
     ;;
   ab-order)  # the MTP engine keeps GPTQ order because its verify rows measured faster there on one id repeated
     for round in a b; do

@@ -890,6 +890,32 @@ def test_gdn_timing_stand_in_leaves_only_the_windows_out(monkeypatch):
     assert_counters_zero()
 
 
+@cpu
+def test_gdn_timing_stand_in_without_the_norm_round(monkeypatch):
+    """ab_step's timing-gdn-no-norm-round: o (the recurrence's output before the gated norm) as the output, the state
+    as the reference's, no counter touched."""
+    monkeypatch.setattr(gdn_decode_module, "TIMING_NO_NORM_ROUND", True)
+    bsz, hk, hv, dk, dv = 2, 2, 4, 8, 8
+    fixed, pools, inp = gdn_pool_inputs(bsz, bsz, 1, hk, hv, dk, dv, torch.float32, "cpu")
+    state = pools["state"].clone()
+    args = [fixed[k] for k in ("conv_weight", "A_log", "dt_bias", "norm_weight")]
+    step = [inp[k] for k in ("qkv", "z", "b", "a")]
+    y = gdn_decode(*step, pools["conv_state"].clone(), *args, pools["state"], hk, block_v=4)
+    _, _, _, record = gdn_decode_module._one_step(*step, pools["conv_state"], *args, state, hk, 1e-6)
+    k, d, decay = record.split([hk * dk, hv * dv, hv], dim=-1)
+    k = k.view(bsz, hk, dk).repeat_interleave(hv // hk, dim=1)
+    new = state * decay[:, :, None, None] + k[..., :, None] * d.view(bsz, hv, dv)[:, :, None, :]
+    assert rel_err(pools["state"], new) < 1e-4
+    # o = S^T q with q the normed, scaled conv output: recompute q as the reference does
+    w = fixed["conv_weight"].reshape(-1, 4)
+    window = torch.cat([pools["conv_state"], inp["qkv"][:, None]], 1)
+    mixed = torch.nn.functional.silu((window * w.t()[None]).sum(1))
+    q = mixed[:, : hk * dk].view(bsz, hk, dk)
+    q = (q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk**-0.5).repeat_interleave(hv // hk, dim=1)
+    assert rel_err(y.view(bsz, hv, dv), torch.einsum("bhkv,bhk->bhv", new, q)) < 1e-4
+    assert_counters_zero()
+
+
 def check_gdn_replay(bsz, m, hk, hv, dk, dv, dtype, device, block_v=None, num_warps=None):
     """gdn_replay after an M-token verify step (two layers, two state buffers per slot): for every kept < M it rebuilds
     in the spare row the state that the same kernel (the same tile) leaves after only the first `kept` tokens, bit for

@@ -64,6 +64,9 @@ VERIFY_TILE = (32, 4)
 # with a position-indexed ring of K-1+M rows, where the step's new rows land in rows no program of the step reads
 # and a rollback only moves the position back: the most such a ring could save (session 30).
 TIMING_NO_WINDOWS = False
+# Timing only (ab_step's timing-gdn-no-norm-round; wrong outputs and q/k windows): no arrival round, each program
+# writes its o as the output: what the kernel's gated norms and their round cost, wherever they would go instead.
+TIMING_NO_NORM_ROUND = False
 
 
 def _check_step_outputs(bsz, m, conv_state, state, num_k_heads, step_records, step_conv):
@@ -217,7 +220,7 @@ def _gdn_decode_kernel(
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     NVB, KERNEL: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
     HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, SAVE_CONV: tl.constexpr, WINDOWS: tl.constexpr = True,
-    PDL: tl.constexpr = False,
+    NORM_ROUND: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
     vb = tl.program_id(0)
     h = tl.program_id(1)
@@ -269,7 +272,10 @@ def _gdn_decode_kernel(
         d = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = _rank_one_update(s, k, d)
         o = tl.sum(s * q[:, None], axis=0)
-        tl.store(o_ws + (tok * HV + h) * DV + vv, o, mask=vmask)
+        if NORM_ROUND:
+            tl.store(o_ws + (tok * HV + h) * DV + vv, o, mask=vmask)
+        else:  # timing only: o itself as the output
+            tl.store(out_ptr + (tok * HV + h) * DV + vv, o.to(ty), mask=vmask)
         if SAVE_STEPS:  # what gdn_replay needs to redo this update: k, d, decay
             if j < M - 1:
                 rec = srec_ptr + (bi * (M - 1) + j).to(tl.int64) * REC
@@ -285,25 +291,26 @@ def _gdn_decode_kernel(
             _save_windows(qkv_row, hist, sconv, cv, vmask, C, QS, M, KERNEL)
         _shift_window(qkv_row, hist, cv, vmask, C, QS, M, KERNEL)  # this program's own v channels
 
-    cnt = cnt_ptr + bi * HK + kh
-    if arrive(cnt, GROUP * NVB):
-        # every program of this key head has read the old window and written its o
-        if WINDOWS:
-            if SAVE_CONV:
-                _save_windows(qkv_row, hist, sconv, cq, dmask, C, QS, M, KERNEL)
-                _save_windows(qkv_row, hist, sconv, ck, dmask, C, QS, M, KERNEL)
-            _shift_window(qkv_row, hist, cq, dmask, C, QS, M, KERNEL)
-            _shift_window(qkv_row, hist, ck, dmask, C, QS, M, KERNEL)
-        # the group's heads' gated norms, from the o vectors its programs wrote
-        gi = tl.arange(0, GROUPP)
-        dv = tl.arange(0, BDV)[None, :]
-        heads = (kh * GROUP + gi)[:, None]
-        omask = (gi < GROUP)[:, None] & (dv < DV)
-        for j in tl.static_range(M):
-            tok = bi * M + j
-            o_group = tl.load(o_ws + (tok * HV + heads) * DV + dv, mask=omask, other=0, cache_modifier=".cg")
-            _gated_norm_store(o_group, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, ty)
-        reset(cnt)
+    if NORM_ROUND:
+        cnt = cnt_ptr + bi * HK + kh
+        if arrive(cnt, GROUP * NVB):
+            # every program of this key head has read the old window and written its o
+            if WINDOWS:
+                if SAVE_CONV:
+                    _save_windows(qkv_row, hist, sconv, cq, dmask, C, QS, M, KERNEL)
+                    _save_windows(qkv_row, hist, sconv, ck, dmask, C, QS, M, KERNEL)
+                _shift_window(qkv_row, hist, cq, dmask, C, QS, M, KERNEL)
+                _shift_window(qkv_row, hist, ck, dmask, C, QS, M, KERNEL)
+            # the group's heads' gated norms, from the o vectors its programs wrote
+            gi = tl.arange(0, GROUPP)
+            dv = tl.arange(0, BDV)[None, :]
+            heads = (kh * GROUP + gi)[:, None]
+            omask = (gi < GROUP)[:, None] & (dv < DV)
+            for j in tl.static_range(M):
+                tok = bi * M + j
+                o_group = tl.load(o_ws + (tok * HV + heads) * DV + dv, mask=omask, other=0, cache_modifier=".cg")
+                _gated_norm_store(o_group, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, ty)
+            reset(cnt)
 
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -359,7 +366,8 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_, step_record_size(num_k_heads, dk, hv, dv),
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
         CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps,
-        SAVE_CONV=save_conv, WINDOWS=not TIMING_NO_WINDOWS, num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
+        SAVE_CONV=save_conv, WINDOWS=not TIMING_NO_WINDOWS,
+        NORM_ROUND=not TIMING_NO_NORM_ROUND, num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
     )
     return out
 
