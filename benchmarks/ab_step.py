@@ -192,8 +192,6 @@ VARIANTS = {
     # and without its arrival round (no gated norms, no q/k windows' move; o as the output)
     "timing-gdn-no-norm-round": _timing_only("o as the output", (
         "roofline.kernels.gdn_decode", "TIMING_NO_NORM_ROUND", True)),
-    # session 30: at one token the GDN kernel's z and norm weight loaded by every program after its PDL wait
-    "gdn-z-early": _module_setting("roofline.kernels.gdn_decode", "Z_EARLY", True),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),

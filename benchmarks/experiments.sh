@@ -124,10 +124,6 @@ case "${1:-}" in
     timeout 330 python3 benchmarks/ab_step.py --variants timing-gdn-no-windows,timing-gdn-no-norm-round --rounds 5 \
       2>&1 | tail -30
     ;;
-  ab-z)  # session 30: the GDN kernel's z loaded before its arrival round at one token
-    gpu_tests 120 tests/test_kernels.py -m gpu -k "gdn_decode"
-    timeout 300 python3 benchmarks/ab_step.py --variants gdn-z-early --rounds 5 2>&1 | tail -30
-    ;;
   ab-order)  # the MTP engine keeps GPTQ order because its verify rows measured faster there on one id repeated
     for round in a b; do
       ROOFLINE_INT4_QBLK=0 synthetic "gptq-order-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
@@ -135,7 +131,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-windows|ab-z|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-windows|ab-order" >&2
     exit 2
     ;;
 esac

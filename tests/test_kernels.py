@@ -868,24 +868,6 @@ def test_gdn_decode_pool_gpu(m, merged):
 
 
 @cpu
-@pytest.mark.parametrize("bsz,pool,hk,hv,dk,dv,dtype,block_v", [
-    (2, 3, 2, 4, 16, 16, torch.float32, 8),
-    (3, 4, 1, 3, 12, 20, torch.float16, 8),   # 3 value heads a key head (GROUPP 4: a masked row), dv not a block's multiple
-])
-def test_gdn_decode_z_early_interpreter(monkeypatch, bsz, pool, hk, hv, dk, dv, dtype, block_v):
-    """Z_EARLY: at one token every program loads its key head's z and the norm weight after the PDL wait, and the
-    last program's norms take them from registers: the same outputs, states and windows as the reference's."""
-    monkeypatch.setattr(gdn_decode_module, "Z_EARLY", True)
-    check_gdn_pool(bsz, pool, 1, hk, hv, dk, dv, dtype, "cpu", block_v, True, "none", tol=2e-3, merged=True)
-
-
-@gpu
-@pytest.mark.parametrize("bsz", [1, 3])
-def test_gdn_decode_z_early_gpu(monkeypatch, bsz):
-    monkeypatch.setattr(gdn_decode_module, "Z_EARLY", True)
-    check_gdn_pool(bsz, 5, 1, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="none", merged=True)
-
-@cpu
 def test_gdn_timing_stand_in_leaves_only_the_windows_out(monkeypatch):
     """ab_step's timing-gdn-no-windows: a verify step's outputs, state and records as the reference's, the conv windows
     neither moved nor saved (what it leaves out, and nothing else)."""

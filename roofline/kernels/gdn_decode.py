@@ -67,10 +67,6 @@ TIMING_NO_WINDOWS = False
 # Timing only (ab_step's timing-gdn-no-norm-round; wrong outputs and q/k windows): no arrival round, each program
 # writes its o as the output: what the kernel's gated norms and their round cost, wherever they would go instead.
 TIMING_NO_NORM_ROUND = False
-# Session 30 (candidate): at one token every program loads its key head's z for the gated norms right after the
-# PDL wait, so the last program's norms do not wait for it (the round and norms cost the 122B step 0.085 ms at M = 1,
-# timing-gdn-no-norm-round). More tokens keep the load in the norms: their z would stay in registers M times over.
-Z_EARLY = False
 
 
 def _check_step_outputs(bsz, m, conv_state, state, num_k_heads, step_records, step_conv):
@@ -195,14 +191,15 @@ def _shift_window(qkv_row, hist_ptr, c, cmask, C, QS, M: tl.constexpr, KERNEL: t
 
 
 @triton.jit
-def _gated_norm_store(o, zz, nw, tok, heads, dv, omask, out_ptr, HV, DV, eps, ty: tl.constexpr):
+def _gated_norm_store(o, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, ty: tl.constexpr):
     """out[tok, heads] = w * rmsnorm(o) * silu(z) over each head's dv, with the model's roundings; o [R, BDV] fp32
-    holds R heads' outputs (`heads` [R, 1]), zz their z (fp32), nw [1, BDV] the norm's weight, dv [1, BDV],
-    omask [R, BDV]."""
+    holds R heads' outputs (`heads` [R, 1]), dv [1, BDV], omask [R, BDV]."""
     of = o.to(ty).to(tl.float32)
     rms = tl.rsqrt(tl.sum(of * of, axis=1) / DV + eps)
     normed = (of * rms[:, None]).to(ty).to(tl.float32)
+    nw = tl.load(nw_ptr + dv, mask=dv < DV, other=0).to(tl.float32)
     gated = (nw * normed).to(ty).to(tl.float32)
+    zz = tl.load(z_ptr + tok * ZS + heads * DV + dv, mask=omask, other=0).to(tl.float32)
     res = gated * (zz / (1.0 + tl.exp(-zz)))
     tl.store(out_ptr + (tok * HV + heads) * DV + dv, res.to(ty), mask=omask)
 
@@ -223,7 +220,7 @@ def _gdn_decode_kernel(
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     NVB, KERNEL: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
     HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, SAVE_CONV: tl.constexpr, WINDOWS: tl.constexpr = True,
-    NORM_ROUND: tl.constexpr = True, Z_EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
+    NORM_ROUND: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
     vb = tl.program_id(0)
     h = tl.program_id(1)
@@ -258,18 +255,6 @@ def _gdn_decode_kernel(
     decay_scale = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
     wait_for_inputs(PDL)  # qkv, z, b and a come from the projections
-    # the gated norms' operands (the key head's GROUP heads): read by the program that arrives last; with Z_EARLY
-    # every program loads them here, so they are in registers when the norms run and not a round trip of the tail
-    gi = tl.arange(0, GROUPP)
-    dv = tl.arange(0, BDV)[None, :]
-    heads = (kh * GROUP + gi)[:, None]
-    omask = (gi < GROUP)[:, None] & (dv < DV)
-    if Z_EARLY:
-        nw_early = tl.load(nw_ptr + dv, mask=dv < DV, other=0).to(tl.float32)
-        z_early = tl.load(z_ptr + (bi * M) * ZS + heads * DV + dv, mask=omask, other=0).to(tl.float32)
-    else:  # unused (Triton wants the names on both paths)
-        nw_early = tl.zeros([1, BDV], dtype=tl.float32)
-        z_early = tl.zeros([GROUPP, BDV], dtype=tl.float32)
     for j in tl.static_range(M):
         tok = bi * M + j
         q = _conv_silu(qkv_row, hist, convw_ptr, cq, dmask, C, QS, j, KERNEL, CONV_TY, ty)
@@ -317,16 +302,14 @@ def _gdn_decode_kernel(
                 _shift_window(qkv_row, hist, cq, dmask, C, QS, M, KERNEL)
                 _shift_window(qkv_row, hist, ck, dmask, C, QS, M, KERNEL)
             # the group's heads' gated norms, from the o vectors its programs wrote
+            gi = tl.arange(0, GROUPP)
+            dv = tl.arange(0, BDV)[None, :]
+            heads = (kh * GROUP + gi)[:, None]
+            omask = (gi < GROUP)[:, None] & (dv < DV)
             for j in tl.static_range(M):
                 tok = bi * M + j
                 o_group = tl.load(o_ws + (tok * HV + heads) * DV + dv, mask=omask, other=0, cache_modifier=".cg")
-                if Z_EARLY:
-                    zz = z_early
-                    nw = nw_early
-                else:
-                    zz = tl.load(z_ptr + tok * ZS + heads * DV + dv, mask=omask, other=0).to(tl.float32)
-                    nw = tl.load(nw_ptr + dv, mask=dv < DV, other=0).to(tl.float32)
-                _gated_norm_store(o_group, zz, nw, tok, heads, dv, omask, out_ptr, HV, DV, eps, ty)
+                _gated_norm_store(o_group, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, DV, eps, ty)
             reset(cnt)
 
 
@@ -384,8 +367,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
         CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps,
         SAVE_CONV=save_conv, WINDOWS=not TIMING_NO_WINDOWS,
-        NORM_ROUND=not TIMING_NO_NORM_ROUND, Z_EARLY=Z_EARLY and m == 1,
-        num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
+        NORM_ROUND=not TIMING_NO_NORM_ROUND, num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
     )
     return out
 
