@@ -504,9 +504,11 @@ def engine_prefill(model, prompts=(4096,), repeats: int = 3, warmup_tokens: int 
 
 
 def _pool_bytes(pool: CachePool) -> tuple[int, int]:
-    """(GDN state bytes read + written per token, KV bytes read per context token) of one slot."""
-    state = sum(t[0].numel() * t.element_size() for t in (*pool.recurrent.values(), *pool.conv.values()))
-    return 2 * state, pool.kv_bytes_per_token
+    """(GDN state bytes read + written per token, KV bytes read per context token) of one slot: each layer's
+    recurrent state read and written, and of its conv ring the K-1 rows read and the one written."""
+    recurrent = sum(t[0].numel() * t.element_size() for t in pool.recurrent.values())
+    conv_rows = sum(t[0, 0].numel() * t.element_size() for t in pool.conv.values())
+    return 2 * recurrent + pool.conv_kernel * conv_rows, pool.kv_bytes_per_token
 
 
 def _step_bytes(run: SyntheticRun, tb: TokenBytes, m: int, step_ms: float, copy_bw: float, distinct: bool = False) -> dict:
