@@ -168,7 +168,7 @@ def step_ids(vocab: int, m: int, distinct: bool) -> list[int]:
 def decode_ms(run: SyntheticRun, m: int, repeats: int, rollback: bool = False, distinct: bool = False) -> tuple[float, float]:
     """(engine step ms: inputs in, graph replay, argmax read back; replay alone ms): one sequence, m tokens
     (`step_ids`). With `rollback` the step writes the GDN states to the spare buffers and saves each position's
-    step record and conv window, as the engine's MTP verify does. Without graphs (the interpreter's dry run) there is
+    step record, as the engine's MTP verify does. Without graphs (the interpreter's dry run) there is
     no replay: the step's time twice, no warm-up."""
     ids = step_ids(run.model.config.vocab_size, m, distinct)
 

@@ -271,8 +271,8 @@ class DecodeGraphs:
     def keep(self, buf: StepBuffers, index: int, cache: SlotCache, m: int, kept: int) -> None:
         """Advance `cache` (row `index` of the last step) by the first `kept` of its m tokens. After a verify with a
         rollback the sequence's state is in its spare buffer: with every token kept that is the state; with fewer,
-        the kept tokens' state is rebuilt there from the state before the step (gdn_replay) and the conv windows
-        saved after token kept-1 are restored."""
+        the kept tokens' state is rebuilt there from the state before the step (gdn_replay); the conv rings already
+        hold what the next step reads."""
         if kept < m and buf.rollback is None:
             raise RuntimeError("this step saved no rollback state")
         if buf.rollback is not None:
