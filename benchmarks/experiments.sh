@@ -125,7 +125,8 @@ case "${1:-}" in
     # tokens of the pooled step (the rollback with MTP among them)
     gpu_tests 100 tests/test_kernels.py -m gpu -k "gdn"
     for round in 1 2; do
-      for tree in before ring; do
+      order="before ring"; [ $round = 2 ] && order="ring before"
+      for tree in $order; do
         if [ $tree = before ]; then path=$PWD/.carry/before; commit=$ROOFLINE_BEFORE; else path=$PWD; commit=$ROOFLINE_COMMIT; fi
         PYTHONPATH=$path:$PYTHONPATH ROOFLINE_COMMIT=$commit timeout 100 python3 benchmarks/ab_step.py --variants "" \
           --rounds 1 2>&1 | grep "^round\|^default\|Error"
