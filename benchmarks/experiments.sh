@@ -120,20 +120,9 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify,router-two-rows --rounds 3 2>&1 \
       | tail -30
     ;;
-  ring)  # session 30: the GDN conv ring (its kernel GPU tests), the default step's graphs against the tree before it
-    # (that commit's package in .carry/before, ROOFLINE_BEFORE its commit) in alternating processes, then the greedy
-    # tokens of the pooled step (the rollback with MTP among them)
-    gpu_tests 100 tests/test_kernels.py -m gpu -k "gdn"
-    for round in 1 2; do
-      order="before ring"; [ $round = 2 ] && order="ring before"
-      for tree in $order; do
-        if [ $tree = before ]; then path=$PWD/.carry/before; commit=$ROOFLINE_BEFORE; else path=$PWD; commit=$ROOFLINE_COMMIT; fi
-        PYTHONPATH=$path:$PYTHONPATH ROOFLINE_COMMIT=$commit timeout 100 python3 benchmarks/ab_step.py --variants "" \
-          --rounds 1 2>&1 | grep "^round\|^default\|Error"
-        mv "$OUT/ab_step.json" "$OUT/ab-$tree-$round.json"
-      done
-    done
-    gpu_tests 200 tests/test_pooled_decode.py -m gpu -k greedy
+  ab-windows)  # session 30: what moving and saving the GDN conv windows costs, and its norms' round (timing only)
+    timeout 330 python3 benchmarks/ab_step.py --variants timing-gdn-no-windows,timing-gdn-no-norm-round --rounds 5 \
+      2>&1 | tail -30
     ;;
   ab-order)  # the MTP engine keeps GPTQ order because its verify rows measured faster there on one id repeated
     for round in a b; do
@@ -142,7 +131,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ring|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-windows|ab-order" >&2
     exit 2
     ;;
 esac

@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 from roofline.kernels import _common, gdn_decode as gdn_decode_module  # noqa: E402
 from roofline.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from roofline.kernels.fp8_gemv import dense_matmul, fp8_matmul, fp8_matmul_reference, router_top_k  # noqa: E402
-from roofline.engine.cache import conv_ring_rows, ring_rows, step_record_size  # noqa: E402
+from roofline.engine.cache import step_record_size  # noqa: E402
 from roofline.kernels.gdn_decode import gdn_decode, gdn_decode_reference, gdn_replay  # noqa: E402
 from roofline.kernels.int4_experts import (  # noqa: E402
     experts_down,
@@ -685,19 +685,6 @@ def test_router_top_k_gpu(m, experts, k, fp8):
 # ---------------------------------------------------------------- fused GDN decode step
 
 
-RING = conv_ring_rows(4)  # a pool slot's conv ring at K = 4
-
-
-def ring_window(ring, end, kernel=4):
-    """The K-1 conv inputs before position `end` out of one slot's ring [R, C], oldest first."""
-    return ring[ring_rows(end, kernel, ring.shape[0], ring.device)]
-
-
-def slot_positions(pool, device):
-    """Each pool slot's next position: 1 (its window reaches before position 0), then 7 apart (all over the ring)."""
-    return (torch.arange(pool) * 7 + 1).to(device)
-
-
 def gdn_inputs(bsz, hk, hv, dk, dv, dtype, device, kernel=4):
     c = 2 * hk * dk + hv * dv
     g = torch.Generator().manual_seed(bsz * 100 + hv)
@@ -707,22 +694,20 @@ def gdn_inputs(bsz, hk, hv, dk, dv, dtype, device, kernel=4):
 
     return dict(
         z=rnd(bsz, hv * dv).to(dtype), b=rnd(bsz, hv).to(dtype), a=rnd(bsz, hv).to(dtype),
-        conv_state=rnd(bsz, RING, c).to(dtype), conv_weight=rnd(c, 1, kernel, scale=0.5).to(dtype),
+        conv_state=rnd(bsz, kernel - 1, c).to(dtype), conv_weight=rnd(c, 1, kernel, scale=0.5).to(dtype),
         A_log=rnd(hv, scale=0.5), dt_bias=rnd(hv, scale=0.5), norm_weight=(1 + rnd(dv, scale=0.1)).to(dtype),
         state=rnd(bsz, hv, dk, dv, scale=0.3),
     ), c
 
 
 def check_gdn(bsz, hk, hv, dk, dv, dtype, device, block_v=None, steps=3, tol=1e-2):
-    """Successive one-token steps (each reads the ring rows the steps before wrote; positions wrap around the ring)."""
     args, c = gdn_inputs(bsz, hk, hv, dk, dv, dtype, device)
     ref_args = {k: v.clone() for k, v in args.items()}
-    first = torch.arange(bsz, device=device) * 5 + RING - 2
     for step in range(steps):
         qkv = torch.randn(bsz, c, device=device).to(dtype)
         out = nan_like(torch.empty(bsz, hv * dv, dtype=dtype, device=device))
-        y = gdn_decode(qkv, num_k_heads=hk, out=out, block_v=block_v, positions=first + step, **args)
-        ref = gdn_decode_reference(qkv, num_k_heads=hk, positions=first + step, **ref_args)
+        y = gdn_decode(qkv, num_k_heads=hk, out=out, block_v=block_v, **args)
+        ref = gdn_decode_reference(qkv, num_k_heads=hk, **ref_args)
         assert rel_err(y, ref) < tol, f"step {step}"
         assert rel_err(args["state"], ref_args["state"]) < 1e-4
         torch.testing.assert_close(args["conv_state"], ref_args["conv_state"], rtol=0, atol=0)
@@ -760,11 +745,10 @@ def test_gdn_reference_matches_model():
         key_size=hk * dk, value_size=hv * dv, num_v_heads=hv, num_k_heads=hk, k_dim=dk, v_dim=dv, eps=1e-6,
         norm=types.SimpleNamespace(weight=args["norm_weight"]),
     )
-    first = slot_positions(bsz, "cpu")
     outs = []
     for i in range(bsz):
         cache = SequenceCache()
-        cache.conv[0] = ring_window(args["conv_state"][i], int(first[i])).clone()
+        cache.conv[0] = args["conv_state"][i].clone()
         cache.recurrent[0] = args["state"][i].clone()
         beta = torch.sigmoid(args["b"][i : i + 1]).float()
         decay = -args["A_log"].exp() * torch.nn.functional.softplus(args["a"][i : i + 1].float() + args["dt_bias"])
@@ -773,12 +757,9 @@ def test_gdn_reference_matches_model():
         outs.append(GatedDeltaNet.gated_norm(layer, core, args["z"][i : i + 1]))
         args_state_i = cache.recurrent[0]
         outs.append(args_state_i)
-        outs.append(cache.conv[0])
-    ref_out = gdn_decode_reference(qkv, num_k_heads=hk, positions=first, **args)
-    torch.testing.assert_close(ref_out, torch.cat(outs[0::3]), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(args["state"], torch.stack(outs[1::3]), rtol=1e-5, atol=1e-5)
-    for i in range(bsz):  # the ring's window before the next position is the model's new window
-        torch.testing.assert_close(ring_window(args["conv_state"][i], int(first[i]) + 1), outs[2 + 3 * i], rtol=0, atol=0)
+    ref_out = gdn_decode_reference(qkv, num_k_heads=hk, **args)
+    torch.testing.assert_close(ref_out, torch.cat(outs[0::2]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(args["state"], torch.stack(outs[1::2]), rtol=1e-5, atol=1e-5)
 
 
 def gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device, kernel=4, seed=0):
@@ -791,7 +772,7 @@ def gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device, kernel=4, seed=
 
     fixed = dict(conv_weight=rnd(c, 1, kernel, scale=0.5).to(dtype), A_log=rnd(hv, scale=0.5),
                  dt_bias=rnd(hv, scale=0.5), norm_weight=(1 + rnd(dv, scale=0.1)).to(dtype))
-    pools = dict(conv_state=rnd(pool, conv_ring_rows(kernel), c).to(dtype), state=rnd(pool, hv, dk, dv, scale=0.3))
+    pools = dict(conv_state=rnd(pool, kernel - 1, c).to(dtype), state=rnd(pool, hv, dk, dv, scale=0.3))
     step = dict(qkv=rnd(bsz * m, c).to(dtype), z=rnd(bsz * m, hv * dv).to(dtype), b=rnd(bsz * m, hv).to(dtype),
                 a=rnd(bsz * m, hv).to(dtype))
     return fixed, pools, step
@@ -802,38 +783,36 @@ def _merged_views(*parts):
     return torch.cat(parts, dim=1).split([p.shape[1] for p in parts], dim=1)
 
 
-def check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, device, block_v=None, use_slots=True, records=True,
+def check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, device, block_v=None, use_slots=True, save="both",
                    steps=2, tol=1e-2, merged=False, two_buffers=False):
-    """gdn_decode with slots / M tokens / step records vs the reference, over `steps` successive steps at each slot's
-    next positions (a later step reads the ring rows an earlier one wrote); pool rows and ring rows outside the step
-    must stay untouched. `merged`: the kernel takes qkv, z and b, a as column views of merged projections' outputs
-    (in_proj_qkv+z, b+a), the reference contiguous copies. `two_buffers`: the state pool has two rows per slot, and
-    each step reads one buffer and writes the other (`state_rows`), leaving the read rows as they were."""
-    fixed, pools, _ = gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device)
+    """gdn_decode with slots / M tokens / step outputs vs the reference, over `steps` successive steps;
+    pool rows not in `slots` must stay untouched. `merged`: the kernel takes qkv, z and b, a as column views of
+    merged projections' outputs (in_proj_qkv+z, b+a), the reference contiguous copies. `two_buffers`: the state pool
+    has two rows per slot, and each step reads one buffer and writes the other (`state_rows`), leaving the read
+    rows as they were."""
+    kernel = 4
+    c = 2 * hk * dk + hv * dv
+    fixed, pools, _ = gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device, kernel)
     if two_buffers:
         pools["state"] = torch.cat([pools["state"], pools["state"].flip(0) * 0.5])  # buffer p of slot s: row s + p * pool
     ref_pools = {k: v.clone() for k, v in pools.items()}
-    next_position = slot_positions(pool, device)
     for step in range(steps):
-        _, _, inp = gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device, seed=step + 1)
+        _, _, inp = gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device, kernel, seed=step + 1)
         slots = state_rows = None
-        seqs = torch.arange(bsz, device=device)
         if use_slots:
             perm = torch.randperm(pool, generator=torch.Generator().manual_seed(step)) if step else torch.arange(pool - 1, -1, -1)
             slots = perm[:bsz].to(device)
             slots = slots.to(torch.int32 if step % 2 else torch.int64)
-            seqs = slots.long()
             if two_buffers:
                 state_rows = (slots + pool * (step % 2), slots + pool * (1 - step % 2))
-        positions = (next_position[seqs][:, None] + torch.arange(m, device=device)).reshape(-1)
-        positions = positions.to(torch.int32 if step % 2 else torch.int64)
-        next_position[seqs] += m
         before = pools["state"].clone()
         outs = {}
         for name, pl in (("kernel", pools), ("ref", ref_pools)):
-            ss = None
-            if records:
+            ss = sc = None
+            if save in ("both", "records"):
                 ss = torch.full((bsz, m - 1, step_record_size(hk, dk, hv, dv)), float("nan"), device=device)
+            if save in ("both", "conv"):
+                sc = torch.full((bsz, m - 1, kernel - 1, c), float("nan"), device=device).to(dtype)
             fn = gdn_decode if name == "kernel" else gdn_decode_reference
             extra = dict(out=nan_like(torch.empty(bsz * m, hv * dv, dtype=dtype, device=device)), block_v=block_v) \
                 if name == "kernel" else {}
@@ -842,10 +821,10 @@ def check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, device, block_v=None, us
                 (qkv, z), (b, a) = _merged_views(qkv, z), _merged_views(b, a)
                 assert bsz * m == 1 or not qkv.is_contiguous()
             y = fn(qkv, z, b, a, pl["conv_state"], fixed["conv_weight"], fixed["A_log"],
-                   fixed["dt_bias"], fixed["norm_weight"], pl["state"], hk, positions=positions, slots=slots,
-                   state_rows=state_rows, tokens_per_seq=m, step_records=ss, **extra)
-            outs[name] = (y, ss)
-        (y, ss), (ry, rss) = outs["kernel"], outs["ref"]
+                   fixed["dt_bias"], fixed["norm_weight"], pl["state"], hk, slots=slots, state_rows=state_rows,
+                   tokens_per_seq=m, step_records=ss, step_conv=sc, **extra)
+            outs[name] = (y, ss, sc)
+        (y, ss, sc), (ry, rss, rsc) = outs["kernel"], outs["ref"]
         assert rel_err(y, ry) < tol, f"step {step}"
         assert rel_err(pools["state"], ref_pools["state"]) < 1e-4
         torch.testing.assert_close(pools["conv_state"], ref_pools["conv_state"], rtol=0, atol=0)
@@ -854,36 +833,61 @@ def check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, device, block_v=None, us
             assert not torch.equal(pools["state"][state_rows[1].long()], before[state_rows[1].long()])
         if ss is not None and m > 1:
             assert rel_err(ss, rss) < 1e-4
+        if sc is not None and m > 1:
+            torch.testing.assert_close(sc, rsc, rtol=0, atol=0)
     assert_counters_zero()
 
 
 @cpu
-@pytest.mark.parametrize("bsz,pool,m,hk,hv,dk,dv,dtype,block_v,use_slots,records,two_buffers", [
-    (2, 3, 1, 2, 4, 16, 16, torch.float32, 8, True, False, False),
-    (2, 2, 2, 1, 3, 12, 20, torch.float16, 8, False, True, False),    # dv not a multiple of the block, no slots
-    (1, 3, 3, 2, 2, 32, 24, torch.float32, 16, True, True, True),
-    (3, 5, 4, 1, 2, 8, 12, torch.float16, 8, True, True, True),       # M > K-1: the new window is all new tokens
-    (2, 4, 5, 2, 4, 8, 8, torch.float32, 8, True, False, False),      # the most tokens a step takes
-    (2, 3, 3, 1, 2, 8, 8, torch.float32, 8, False, True, False),      # pool larger than B without slots: rows 0..B-1
+@pytest.mark.parametrize("bsz,pool,m,hk,hv,dk,dv,dtype,block_v,use_slots,save,two_buffers", [
+    (2, 3, 1, 2, 4, 16, 16, torch.float32, 8, True, "none", False),
+    (2, 2, 2, 1, 3, 12, 20, torch.float16, 8, False, "both", False),    # dv not a multiple of the block, no slots
+    (1, 3, 3, 2, 2, 32, 24, torch.float32, 16, True, "both", True),
+    (3, 5, 4, 1, 2, 8, 12, torch.float16, 8, True, "both", True),       # M > K-1: the new window is all new tokens
+    (2, 4, 4, 2, 4, 8, 8, torch.float32, 8, True, "none", False),
+    (2, 3, 3, 1, 2, 8, 8, torch.float32, 8, False, "records", False),   # pool larger than B without slots: rows 0..B-1
 ])
-def test_gdn_decode_pool_interpreter(bsz, pool, m, hk, hv, dk, dv, dtype, block_v, use_slots, records, two_buffers):
-    check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, "cpu", block_v, use_slots, records, tol=2e-3,
+def test_gdn_decode_pool_interpreter(bsz, pool, m, hk, hv, dk, dv, dtype, block_v, use_slots, save, two_buffers):
+    check_gdn_pool(bsz, pool, m, hk, hv, dk, dv, dtype, "cpu", block_v, use_slots, save, tol=2e-3,
                    two_buffers=two_buffers)
 
 
 @cpu
-@pytest.mark.parametrize("bsz,m,records", [(1, 3, True), (2, 2, False), (3, 1, False)])
-def test_gdn_decode_reads_merged_projections_rows_in_place_interpreter(bsz, m, records):
+@pytest.mark.parametrize("bsz,m,save", [(1, 3, "both"), (2, 2, "none"), (3, 1, "conv")])
+def test_gdn_decode_reads_merged_projections_rows_in_place_interpreter(bsz, m, save):
     """qkv, z, b, a as the merged projections write them (strided rows): the same results as contiguous inputs."""
-    check_gdn_pool(bsz, 4, m, 2, 4, 16, 16, torch.float16, "cpu", 8, True, records, tol=2e-3, merged=True)
+    check_gdn_pool(bsz, 4, m, 2, 4, 16, 16, torch.float16, "cpu", 8, True, save, tol=2e-3, merged=True)
 
 
 @gpu
 @pytest.mark.parametrize("merged", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_gdn_decode_pool_gpu(m, merged):
-    check_gdn_pool(3, 5, m, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, records=True, merged=merged,
+    check_gdn_pool(3, 5, m, 16, 64, 128, 128, torch.bfloat16, GPU, use_slots=True, save="both", merged=merged,
                    two_buffers=m > 1)
+
+
+@cpu
+def test_gdn_timing_stand_in_leaves_only_the_windows_out(monkeypatch):
+    """ab_step's timing-gdn-no-windows: a verify step's outputs, state and records as the reference's, the conv windows
+    neither moved nor saved (what it leaves out, and nothing else)."""
+    monkeypatch.setattr(gdn_decode_module, "TIMING_NO_WINDOWS", True)
+    bsz, m, hk, hv, dk, dv, c = 2, 3, 2, 4, 8, 8, 2 * 2 * 8 + 4 * 8
+    fixed, pools, inp = gdn_pool_inputs(bsz, bsz, m, hk, hv, dk, dv, torch.float32, "cpu")
+    ref_pools = {k: v.clone() for k, v in pools.items()}
+    before = pools["conv_state"].clone()
+    args = [fixed[k] for k in ("conv_weight", "A_log", "dt_bias", "norm_weight")]
+    rec, ref_rec = (torch.zeros(bsz, m - 1, step_record_size(hk, dk, hv, dv)) for _ in range(2))
+    saved = torch.zeros(bsz, m - 1, 3, c)
+    step = [inp[k] for k in ("qkv", "z", "b", "a")]
+    y = gdn_decode(*step, pools["conv_state"], *args, pools["state"], hk, tokens_per_seq=m, step_records=rec,
+                   step_conv=saved, block_v=4)
+    ry = gdn_decode_reference(*step, ref_pools["conv_state"], *args, ref_pools["state"], hk, tokens_per_seq=m,
+                              step_records=ref_rec)
+    assert rel_err(y, ry) < 1e-4 and rel_err(pools["state"], ref_pools["state"]) < 1e-4 and rel_err(rec, ref_rec) < 1e-4
+    assert torch.equal(pools["conv_state"], before) and not torch.equal(ref_pools["conv_state"], before)
+    assert not saved.any()
+    assert_counters_zero()
 
 
 @cpu
@@ -896,17 +900,15 @@ def test_gdn_timing_stand_in_without_the_norm_round(monkeypatch):
     state = pools["state"].clone()
     args = [fixed[k] for k in ("conv_weight", "A_log", "dt_bias", "norm_weight")]
     step = [inp[k] for k in ("qkv", "z", "b", "a")]
-    first = slot_positions(bsz, "cpu")
-    windows = torch.stack([ring_window(pools["conv_state"][i], int(first[i])) for i in range(bsz)])
-    y = gdn_decode(*step, pools["conv_state"].clone(), *args, pools["state"], hk, positions=first, block_v=4)
-    _, _, _, record = gdn_decode_module._one_step(*step, windows, *args, state, hk, 1e-6)
+    y = gdn_decode(*step, pools["conv_state"].clone(), *args, pools["state"], hk, block_v=4)
+    _, _, _, record = gdn_decode_module._one_step(*step, pools["conv_state"], *args, state, hk, 1e-6)
     k, d, decay = record.split([hk * dk, hv * dv, hv], dim=-1)
     k = k.view(bsz, hk, dk).repeat_interleave(hv // hk, dim=1)
     new = state * decay[:, :, None, None] + k[..., :, None] * d.view(bsz, hv, dv)[:, :, None, :]
     assert rel_err(pools["state"], new) < 1e-4
     # o = S^T q with q the normed, scaled conv output: recompute q as the reference does
     w = fixed["conv_weight"].reshape(-1, 4)
-    window = torch.cat([windows, inp["qkv"][:, None]], 1)
+    window = torch.cat([pools["conv_state"], inp["qkv"][:, None]], 1)
     mixed = torch.nn.functional.silu((window * w.t()[None]).sum(1))
     q = mixed[:, : hk * dk].view(bsz, hk, dk)
     q = (q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk**-0.5).repeat_interleave(hv // hk, dim=1)
@@ -923,16 +925,14 @@ def check_gdn_replay(bsz, m, hk, hv, dk, dv, dtype, device, block_v=None, num_wa
     records = torch.full((layers, bsz * (m - 1) + 1, step_record_size(hk, dk, hv, dv)), float("nan"), device=device)
     slots = torch.arange(bsz, device=device).flip(0)
     read, write = slots * 2, slots * 2 + 1
-    first = slot_positions(pool, device)[slots]
-    positions = lambda tokens: (first[:, None] + torch.arange(tokens, device=device)).reshape(-1)  # noqa: E731
     per_layer = []
     for layer in range(layers):
         fixed, pools, inp = gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, dtype, device, kernel, seed=layer)
         states[layer, read] = pools["state"][slots]
         conv = pools["conv_state"].clone()
         gdn_decode(inp["qkv"], inp["z"], inp["b"], inp["a"], conv, fixed["conv_weight"], fixed["A_log"],
-                   fixed["dt_bias"], fixed["norm_weight"], states[layer], hk, positions=positions(m), slots=slots,
-                   state_rows=(read, write), tokens_per_seq=m, step_records=records[layer, 1:].view(bsz, m - 1, -1), block_v=block_v,
+                   fixed["dt_bias"], fixed["norm_weight"], states[layer], hk, slots=slots, state_rows=(read, write),
+                   tokens_per_seq=m, step_records=records[layer, 1:].view(bsz, m - 1, -1), block_v=block_v,
                    num_warps=num_warps)
         per_layer.append((fixed, pools, inp))
     for i in range(bsz):
@@ -944,7 +944,7 @@ def check_gdn_replay(bsz, m, hk, hv, dk, dv, dtype, device, block_v=None, num_wa
                 rows = lambda t: t.view(bsz, m, -1)[:, :kept].reshape(bsz * kept, -1)  # noqa: E731
                 gdn_decode(rows(inp["qkv"]), rows(inp["z"]), rows(inp["b"]), rows(inp["a"]), pools["conv_state"][slots],
                            fixed["conv_weight"], fixed["A_log"], fixed["dt_bias"], fixed["norm_weight"], want, hk,
-                           positions=positions(kept), tokens_per_seq=kept, block_v=block_v, num_warps=num_warps)
+                           tokens_per_seq=kept, block_v=block_v, num_warps=num_warps)
                 assert torch.equal(states[layer, scratch], want[i]), f"sequence {i}, kept {kept}, layer {layer}"
     assert torch.equal(records[:, 0].isnan(), torch.ones_like(records[:, 0], dtype=torch.bool)), "record 0 untouched"
 
@@ -977,26 +977,26 @@ def _apply_records(state, records, num_k_heads, kept):
 
 
 def test_gdn_reference_tokens_are_steps():
-    """The reference with M tokens per sequence is M successive one-token reference calls at the next positions
-    (slots too), and its step records rebuild the states between them."""
+    """The reference with M tokens per sequence is M successive one-token reference calls (slots too),
+    and its step outputs are the windows between those calls and records that rebuild the states between them."""
     bsz, pool, m, hk, hv, dk, dv = 2, 3, 4, 2, 4, 8, 8
     fixed, pools, inp = gdn_pool_inputs(bsz, pool, m, hk, hv, dk, dv, torch.float32, "cpu")
     slots = torch.tensor([2, 0])
-    first = slot_positions(pool, "cpu")[slots]
     one = {k: v.clone() for k, v in pools.items()}
     start = pools["state"][slots].clone()
     ss = torch.empty(bsz, m - 1, step_record_size(hk, dk, hv, dv))
+    sc = torch.empty(bsz, m - 1, 3, pools["conv_state"].shape[-1])
     y = gdn_decode_reference(inp["qkv"], inp["z"], inp["b"], inp["a"], pools["conv_state"], **fixed,
-                             state=pools["state"], num_k_heads=hk, positions=(first[:, None] + torch.arange(m)).reshape(-1),
-                             slots=slots, tokens_per_seq=m, step_records=ss)
+                             state=pools["state"], num_k_heads=hk, slots=slots, tokens_per_seq=m,
+                             step_records=ss, step_conv=sc)
     rows = lambda t, j: t.view(bsz, m, -1)[:, j]  # noqa: E731
     for j in range(m):
         yj = gdn_decode_reference(rows(inp["qkv"], j), rows(inp["z"], j), rows(inp["b"], j), rows(inp["a"], j),
-                                  one["conv_state"], **fixed, state=one["state"], num_k_heads=hk, positions=first + j,
-                                  slots=slots)
+                                  one["conv_state"], **fixed, state=one["state"], num_k_heads=hk, slots=slots)
         torch.testing.assert_close(rows(y, j), yj, rtol=0, atol=0)
         if j < m - 1:
             torch.testing.assert_close(_apply_records(start, ss, hk, j + 1), one["state"][slots], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(sc[:, j], one["conv_state"][slots], rtol=0, atol=0)
     torch.testing.assert_close(pools["state"], one["state"], rtol=0, atol=0)
     torch.testing.assert_close(pools["conv_state"], one["conv_state"], rtol=0, atol=0)
 
@@ -1016,8 +1016,7 @@ def test_gdn_reference_tokens_match_model():
         norm=types.SimpleNamespace(weight=fixed["norm_weight"]),
     )
     cache = SequenceCache(record_steps=True)
-    first = int(slot_positions(2, "cpu")[1])
-    cache.conv[0] = ring_window(pools["conv_state"][1], first).clone()
+    cache.conv[0] = pools["conv_state"][1].clone()
     cache.recurrent[0] = pools["state"][1].clone()
     beta = torch.sigmoid(inp["b"]).float()
     decay = -fixed["A_log"].exp() * torch.nn.functional.softplus(inp["a"].float() + fixed["dt_bias"])
@@ -1025,17 +1024,17 @@ def test_gdn_reference_tokens_match_model():
     core = GatedDeltaNet.recurrence(layer, mixed, beta, decay, cache)
     model_out = GatedDeltaNet.gated_norm(layer, core, inp["z"])
     ss = torch.empty(1, m - 1, step_record_size(hk, dk, hv, dv))
+    sc = torch.empty(1, m - 1, kernel - 1, c)
     start = pools["state"][1:2].clone()
     ref_out = gdn_decode_reference(inp["qkv"], inp["z"], inp["b"], inp["a"], pools["conv_state"], **fixed,
-                                   state=pools["state"], num_k_heads=hk, positions=first + torch.arange(m),
-                                   slots=torch.tensor([1]), tokens_per_seq=m, step_records=ss)
+                                   state=pools["state"], num_k_heads=hk, slots=torch.tensor([1]), tokens_per_seq=m,
+                                   step_records=ss, step_conv=sc)
     torch.testing.assert_close(ref_out, model_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pools["state"][1], cache.recurrent[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ring_window(pools["conv_state"][1], first + m), cache.conv[0], rtol=0, atol=0)
-    for j in range(m - 1):  # a rollback to j+1 tokens: the records rebuild the state, the ring already holds the window
+    torch.testing.assert_close(pools["conv_state"][1], cache.conv[0], rtol=0, atol=0)
+    for j in range(m - 1):
         torch.testing.assert_close(_apply_records(start, ss, hk, j + 1)[0], cache.step_recurrent[0][j], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(ring_window(pools["conv_state"][1], first + j + 1),
-                                   cache.step_conv[0][j + 1 : j + kernel], rtol=0, atol=0)
+        torch.testing.assert_close(sc[0, j], cache.step_conv[0][j + 1 : j + kernel], rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- decode attention

@@ -168,7 +168,7 @@ def step_ids(vocab: int, m: int, distinct: bool) -> list[int]:
 def decode_ms(run: SyntheticRun, m: int, repeats: int, rollback: bool = False, distinct: bool = False) -> tuple[float, float]:
     """(engine step ms: inputs in, graph replay, argmax read back; replay alone ms): one sequence, m tokens
     (`step_ids`). With `rollback` the step writes the GDN states to the spare buffers and saves each position's
-    step record, as the engine's MTP verify does. Without graphs (the interpreter's dry run) there is
+    step record and conv window, as the engine's MTP verify does. Without graphs (the interpreter's dry run) there is
     no replay: the step's time twice, no warm-up."""
     ids = step_ids(run.model.config.vocab_size, m, distinct)
 
@@ -504,11 +504,9 @@ def engine_prefill(model, prompts=(4096,), repeats: int = 3, warmup_tokens: int 
 
 
 def _pool_bytes(pool: CachePool) -> tuple[int, int]:
-    """(GDN state bytes read + written per token, KV bytes read per context token) of one slot: each layer's
-    recurrent state read and written, and of its conv ring the K-1 rows read and the one written."""
-    recurrent = sum(t[0].numel() * t.element_size() for t in pool.recurrent.values())
-    conv_rows = sum(t[0, 0].numel() * t.element_size() for t in pool.conv.values())
-    return 2 * recurrent + pool.conv_kernel * conv_rows, pool.kv_bytes_per_token
+    """(GDN state bytes read + written per token, KV bytes read per context token) of one slot."""
+    state = sum(t[0].numel() * t.element_size() for t in (*pool.recurrent.values(), *pool.conv.values()))
+    return 2 * state, pool.kv_bytes_per_token
 
 
 def _step_bytes(run: SyntheticRun, tb: TokenBytes, m: int, step_ms: float, copy_bw: float, distinct: bool = False) -> dict:

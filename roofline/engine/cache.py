@@ -6,12 +6,6 @@ preallocates every layer's state for a number of slots, and a `SlotCache` is a s
 view of one slot, so eager prefill and captured decode steps read and write the same memory.
 Layer indices are the model's (the MTP layer has its own cache and pool).
 
-A pool slot keeps a GDN layer's conv inputs as a ring indexed by position (`conv_ring_rows`): the
-input of the token at position p lives in row p mod R, R = K-1 + the most tokens of one step. A step
-at position p reads rows p-K+1 .. p-1 and writes rows p .. p+M-1, which no program of the step reads,
-so the decode kernel moves no rows; and a verify step that keeps fewer tokens leaves every row the
-next step reads as it should be (only the position goes back).
-
 Speculative decoding verifies several tokens in one step and may keep only some of them.
 With `record_steps` on, GDN layers remember their state after every token of the step, so
 `truncate` can return to exactly the state after the last accepted token.
@@ -44,12 +38,7 @@ class SequenceCache:
         self.step_conv.clear()
         self.step_recurrent.clear()
 
-    def conv_window(self, layer: int) -> torch.Tensor | None:
-        """The last K-1 conv inputs before the next token, oldest first (None before the first token)."""
-        return self.conv.get(layer)
-
-    def set_conv(self, layer: int, window: torch.Tensor, end: int) -> None:
-        """`window` [K-1, C]: the conv inputs of positions end-K+1 .. end-1."""
+    def set_conv(self, layer: int, window: torch.Tensor) -> None:
         self.conv[layer] = window
 
     def set_recurrent(self, layer: int, state: torch.Tensor) -> None:
@@ -78,8 +67,7 @@ class SequenceCache:
             self.keys[layer] = self.keys[layer][:num_tokens]
             self.values[layer] = self.values[layer][:num_tokens]
         for layer, window in self.step_conv.items():
-            history = window.shape[0] - (self.num_tokens - self.step_start)  # K-1 cached rows, then the step's
-            self.set_conv(layer, window[keep : keep + history].clone(), end=num_tokens)
+            self.set_conv(layer, window[keep : keep + self.conv[layer].shape[0]].clone())
         for layer, states in self.step_recurrent.items():
             self.set_recurrent(layer, states[keep - 1])
         self.num_tokens = num_tokens
@@ -99,16 +87,6 @@ class SequenceCache:
         return sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.recurrent.values()))
 
 
-def conv_ring_rows(kernel: int) -> int:
-    """Rows of a pool slot's conv ring for a conv of `kernel` taps: the K-1 a step reads and the most it writes."""
-    return kernel - 1 + CachePool.PAD_TOKENS
-
-
-def ring_rows(end: int, kernel: int, ring: int, device=None) -> torch.Tensor:
-    """The ring rows of positions end-K+1 .. end-1, oldest first (rows of negative positions: never written, zero)."""
-    return torch.arange(end - kernel + 1, end, device=device) % ring
-
-
 def step_record_size(num_k_heads: int, k_dim: int, num_v_heads: int, v_dim: int) -> int:
     """fp32 values of what one token of a GDN verify step records for the rollback (kernels.gdn_decode's
     step_records): each key head's normalised k [Hk, dk], then each value head's delta d [Hv, dv], then its decay
@@ -120,7 +98,7 @@ class CachePool:
     """Decode state for `num_slots` sequences, allocated once: what CUDA graphs index by slot.
 
     keys/values [S, max_len + PAD_TOKENS, kv_heads, head_dim] per full-attention layer (model
-    dtype); conv [S + 1, conv_ring_rows(K), conv_dim] (the ring of the module docstring) and recurrent [(S + 1) x state_buffers, v_heads, k_dim, v_dim] fp32 per GDN
+    dtype); conv [S + 1, K-1, conv_dim] and recurrent [(S + 1) x state_buffers, v_heads, k_dim, v_dim] fp32 per GDN
     layer, the layers' recurrent states views of one tensor (`recurrent_all`, which `gdn_replay` takes whole). With
     two state buffers (MTP speculation) slot s's state lives in row 2s + parity: a verify step reads the current
     buffer and writes the other, so the state before the step survives for the rollback (SlotCache.flip_state).
@@ -153,10 +131,8 @@ class CachePool:
                 self.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
                 self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
             else:
-                self.conv[i] = torch.zeros(slots, conv_ring_rows(cfg.linear_conv_kernel_dim), cfg.linear_conv_dim,
-                                           dtype=dtype, device=device)
+                self.conv[i] = torch.zeros(slots, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim, dtype=dtype, device=device)
                 self.recurrent[i] = self.recurrent_all[gdn.index(i)]
-        self.conv_kernel = cfg.linear_conv_kernel_dim
         self.pad_slot = num_slots  # GDN state of padding rows (state row pad_slot * state_buffers)
         self.pad_kv = (0, max_len)  # (slot, first position) of padding rows' keys and values
         self.free = list(range(num_slots))
@@ -201,8 +177,7 @@ class SlotCache(SequenceCache):
         self._kv_stale = True
         super().__init__(record_steps)
         for layer, conv in pool.conv.items():
-            self.conv[layer] = conv[slot].zero_()  # the layer's ring [R, C]
-        self.kernel = pool.conv_kernel
+            self.conv[layer] = conv[slot].zero_()
         # each buffer's views, cut once: with MTP keep() switches buffers every verify step, where cutting a view per
         # GDN layer (36 on the 122B) would be host time while the GPU waits
         self._state_views = [{layer: state[pool.state_row(slot, p)] for layer, state in pool.recurrent.items()}
@@ -255,13 +230,8 @@ class SlotCache(SequenceCache):
             self._keys[layer] = self.pool.keys[layer][self.slot, : self.num_tokens]
             self._values[layer] = self.pool.values[layer][self.slot, : self.num_tokens]
 
-    def conv_window(self, layer: int) -> torch.Tensor:
-        ring = self.conv[layer]
-        return ring[ring_rows(self.num_tokens, self.kernel, ring.shape[0], ring.device)]
-
-    def set_conv(self, layer: int, window: torch.Tensor, end: int) -> None:
-        ring = self.conv[layer]
-        ring[ring_rows(end, self.kernel, ring.shape[0], ring.device)] = window
+    def set_conv(self, layer: int, window: torch.Tensor) -> None:
+        self.conv[layer].copy_(window)
 
     def set_recurrent(self, layer: int, state: torch.Tensor) -> None:
         self.recurrent[layer].copy_(state)
