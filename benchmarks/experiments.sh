@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 29"), as phases that each fit one 10-minute
 # device call (session 26 on an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py`
-# call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start). Session 29 ran `first`'s table, `shapes`,
-# `tests` and `tests-cli` at today's defaults; `next` is what waits:
-#   OUT=... bash benchmarks/experiments.sh next     # the kernels' GPU test file whole (~6 min)
+# call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start). Session 30 ran `next` and `ab-windows`; what
+# waits is `experiments.sh ring` on the branch gdn-conv-ring (NOTES-kernels, "Session 30", "Not measured"):
+#   OUT=... bash benchmarks/experiments.sh next     # the kernels' GPU test file whole (~3-6 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min); `table`: without its greedy GPU tests
 #   OUT=... bash benchmarks/experiments.sh mtp      # what capture_graphs costs at start (128K / 256K context), then

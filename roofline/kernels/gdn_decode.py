@@ -366,8 +366,8 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_, step_record_size(num_k_heads, dk, hv, dv),
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
         CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps,
-        SAVE_CONV=save_conv, WINDOWS=not TIMING_NO_WINDOWS,
-        NORM_ROUND=not TIMING_NO_NORM_ROUND, num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
+        SAVE_CONV=save_conv, WINDOWS=not TIMING_NO_WINDOWS, NORM_ROUND=not TIMING_NO_NORM_ROUND,
+        num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
     )
     return out
 
