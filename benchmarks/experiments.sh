@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 29"), as phases that each fit one 10-minute
+# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 32"), as phases that each fit one 10-minute
 # device call (session 26 on an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py`
-# call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start). Session 30 ran `next` and `ab-windows`; what
-# waits is `experiments.sh ring` on the branch gdn-conv-ring (NOTES-kernels, "Session 30", "Not measured"):
+# call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start). What waits is `ring`:
+#   OUT=... bash benchmarks/experiments.sh ring     # the GDN conv ring: its GPU tests, and the step against the tree
+#                                                   # before it (ROOFLINE_BEFORE: that commit's roofline package in
+#                                                   # .carry/before), in alternating processes (~6 min)
 #   OUT=... bash benchmarks/experiments.sh next     # the kernels' GPU test file whole (~3-6 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min); `table`: without its greedy GPU tests
@@ -120,9 +122,23 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify,router-two-rows --rounds 3 2>&1 \
       | tail -30
     ;;
-  ab-windows)  # session 30: what moving and saving the GDN conv windows costs, and its norms' round (timing only)
-    timeout 330 python3 benchmarks/ab_step.py --variants timing-gdn-no-windows,timing-gdn-no-norm-round --rounds 5 \
-      2>&1 | tail -30
+  ring)  # the GDN conv ring (session 32): its GPU tests, then ab_step's default in alternating processes, the tree
+    # before the ring (.carry/before/roofline, commit ROOFLINE_BEFORE) against this one, ABBA; a call cut short loses
+    # the second pair first
+    ring_ab() {  # before|ring, pair number
+      local tree=$1 pair=$2 path=$PWD commit=$ROOFLINE_COMMIT
+      [ "$tree" = before ] && path=$PWD/.carry/before commit=$ROOFLINE_BEFORE
+      echo "== $tree $pair: $(PYTHONPATH=$path:$PYTHONPATH python3 -c 'import roofline; print(roofline.__file__)')"
+      PYTHONPATH=$path:$PYTHONPATH OUT=$OUT/ab-tmp ROOFLINE_COMMIT=$commit \
+        timeout 150 python3 benchmarks/ab_step.py --variants "" --rounds 3 2>&1 | tail -5
+      mv "$OUT/ab-tmp/ab_step.json" "$OUT/ab-$tree-$pair.json" 2>/dev/null
+    }
+    gpu_tests 150 tests/test_kernels.py -m gpu -k gdn
+    ring_ab before 1
+    ring_ab ring 1
+    gpu_tests 200 tests/test_pooled_decode.py -m gpu -k greedy
+    ring_ab ring 2
+    ring_ab before 2
     ;;
   ab-order)  # the MTP engine keeps GPTQ order because its verify rows measured faster there on one id repeated
     for round in a b; do
@@ -131,7 +147,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ab-windows|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ring|ab-order" >&2
     exit 2
     ;;
 esac
