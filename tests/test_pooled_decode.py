@@ -85,9 +85,9 @@ def test_verify_rollback_equals_never_seeing_rejected_tokens(checkpoint):
     for layer in pool.recurrent:
         assert spec.recurrent[layer].data_ptr() == pool.recurrent[layer][spec.state_row].data_ptr()
         assert torch.allclose(spec.recurrent[layer], clean.recurrent[layer], rtol=1e-4, atol=1e-5)
-        kernel = model.config.linear_conv_kernel_dim
-        assert torch.equal(spec.conv_window(layer, kernel - 1), clean.conv_window(layer, kernel - 1))
-        assert torch.equal(spec.conv_window(layer, 7), clean.conv_window(layer, 7)), "every position before 7"
+        # every position's input before 7 (the next step reads the last K-1); the projections' roundings differ
+        # between a 4-row and a 1-row step, hence the tolerance
+        assert torch.allclose(spec.conv_window(layer, 7), clean.conv_window(layer, 7), rtol=1e-4, atol=1e-5)
     for layer in pool.keys:
         assert torch.allclose(pool.keys[layer][spec.slot, :7], pool.keys[layer][clean.slot, :7], rtol=1e-4, atol=1e-5)
     a = graphs.run([11], [spec], 1).logits[0].clone()
