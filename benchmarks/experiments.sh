@@ -122,21 +122,21 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify,router-two-rows --rounds 3 2>&1 \
       | tail -30
     ;;
-  ring)  # the GDN conv ring (session 32): its GPU tests, then ab_step's default in alternating processes, the tree
-    # before the ring (.carry/before/roofline, commit ROOFLINE_BEFORE) against this one, ABBA; a call cut short loses
-    # the second pair first
+  ring|ring-ab)  # the GDN conv ring (session 32): its GPU tests, then ab_step's default (and $RING_VARIANTS) in
+    # alternating processes, the tree before the ring (.carry/before/roofline, commit ROOFLINE_BEFORE) against this
+    # one, ABBA; a call cut short loses the second pair first. `ring-ab`: the pairs alone
     ring_ab() {  # before|ring, pair number
       local tree=$1 pair=$2 path=$PWD commit=$ROOFLINE_COMMIT
       [ "$tree" = before ] && path=$PWD/.carry/before commit=$ROOFLINE_BEFORE
-      echo "== $tree $pair: $(PYTHONPATH=$path:$PYTHONPATH python3 -c 'import roofline; print(roofline.__file__)')"
+      echo "== $tree $pair"  # a script's imports search its folder, then PYTHONPATH: $path's roofline
       PYTHONPATH=$path:$PYTHONPATH OUT=$OUT/ab-tmp ROOFLINE_COMMIT=$commit \
-        timeout 150 python3 benchmarks/ab_step.py --variants "" --rounds 3 2>&1 | tail -5
+        timeout 150 python3 benchmarks/ab_step.py --variants "${RING_VARIANTS:-}" --rounds 3 2>&1 | tail -5
       mv "$OUT/ab-tmp/ab_step.json" "$OUT/ab-$tree-$pair.json" 2>/dev/null
     }
-    gpu_tests 150 tests/test_kernels.py -m gpu -k gdn
+    [ "$1" = ring ] && gpu_tests 150 tests/test_kernels.py -m gpu -k gdn
     ring_ab before 1
     ring_ab ring 1
-    gpu_tests 200 tests/test_pooled_decode.py -m gpu -k greedy
+    [ "$1" = ring ] && gpu_tests 200 tests/test_pooled_decode.py -m gpu -k greedy
     ring_ab ring 2
     ring_ab before 2
     ;;
@@ -147,7 +147,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ring|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ring|ring-ab|ab-order" >&2
     exit 2
     ;;
 esac
