@@ -186,7 +186,10 @@ VARIANTS = {
     # quarter of the lanes holding the row) against every lane summing its column's splits, 32 splits' loads at once
     "int4-one-row-tile-sum": _module_setting("roofline.kernels.int4_tc", "ONE_ROW_FLAT_SUM", False),
     "out-proj-verify-2-per-sm": _module_setting("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
-    # session 30, timing only: the GDN kernel without its arrival round (no gated norms; o as the output)
+    # session 30, timing only: the GDN kernel without moving or saving the conv windows (a position-indexed ring's most)
+    "timing-gdn-no-windows": _timing_only("no window moves or saves", (
+        "roofline.kernels.gdn_decode", "TIMING_NO_WINDOWS", True)),
+    # and without its arrival round (no gated norms, no q/k windows' move; o as the output)
     "timing-gdn-no-norm-round": _timing_only("o as the output", (
         "roofline.kernels.gdn_decode", "TIMING_NO_NORM_ROUND", True)),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 32"), as phases that each fit one 10-minute
 # device call (session 26 on an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py`
-# call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start). What waits is `ring`:
-#   OUT=... bash benchmarks/experiments.sh ring     # the GDN conv ring: its GPU tests, and the step against the tree
-#                                                   # before it (ROOFLINE_BEFORE: that commit's roofline package in
-#                                                   # .carry/before), in alternating processes (~6 min)
+# call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start). What waits is `ring-ab` on the GDN conv
+# ring, which is not on main: `git apply benchmarks/patches/gdn-conv-ring.patch` first (NOTES-kernels, "Session 32"):
+#   OUT=... bash benchmarks/experiments.sh ring     # with the patch applied: its GPU tests, and the step against the
+#                                                   # tree before it (ROOFLINE_BEFORE: that commit's roofline package
+#                                                   # in .carry/before), in alternating processes (~6 min); `ring-ab`
+#                                                   # the A/B alone, with RING_VARIANTS (ab_step variants) in each
 #   OUT=... bash benchmarks/experiments.sh next     # the kernels' GPU test file whole (~3-6 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min); `table`: without its greedy GPU tests
@@ -122,9 +124,10 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify,router-two-rows --rounds 3 2>&1 \
       | tail -30
     ;;
-  ring|ring-ab)  # the GDN conv ring (session 32): its GPU tests, then ab_step's default (and $RING_VARIANTS) in
-    # alternating processes, the tree before the ring (.carry/before/roofline, commit ROOFLINE_BEFORE) against this
-    # one, ABBA; a call cut short loses the second pair first. `ring-ab`: the pairs alone
+  ring|ring-ab)  # the GDN conv ring (session 32; benchmarks/patches/gdn-conv-ring.patch applied to the working tree):
+    # its GPU tests, then ab_step's default (and $RING_VARIANTS) in alternating processes, the tree before the ring
+    # (.carry/before/roofline, commit ROOFLINE_BEFORE) against this one, ABBA; a call cut short loses the second pair
+    # first. `ring-ab`: the pairs alone
     ring_ab() {  # before|ring, pair number
       local tree=$1 pair=$2 path=$PWD commit=$ROOFLINE_COMMIT
       [ "$tree" = before ] && path=$PWD/.carry/before commit=$ROOFLINE_BEFORE

@@ -4,9 +4,9 @@ Installed by `dispatch.install_fast_path` on each GatedAttention and GatedDeltaN
 that read the same input run as one merged weight where their formats agree (q/k/v; GDN's qkv/z
 and b/a; see merge.py); the cache work is one kernel per layer:
 attention writes the step's keys and values into the pool at their positions and runs
-`decode_attention` over the slot; GDN runs `gdn_decode`, which writes the step's inputs to the slot's conv ring
-and updates its recurrent state in place (and, for a multi-token verify step, records each token's state update
-so a partial accept can roll back).
+`decode_attention` over the slot; GDN runs `gdn_decode`, which updates the slot's conv window
+and recurrent state in place (and, for a multi-token verify step, saves the state after each
+token so a partial accept can roll back).
 
 Prefill (eager, several tokens per sequence) of GDN goes through fla-core's chunked gated delta
 rule where it is installed (`fla_chunked_recurrence`), instead of the reference's loop over tokens.
@@ -57,7 +57,7 @@ def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch,
 
 
 def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch, residual: torch.Tensor | None = None):
-    step_records = (batch.rollback or {}).get(gdn.layer_idx)
+    step_records, step_conv = (batch.rollback or {}).get(gdn.layer_idx, (None, None))
     (b, a), join = beside(x.device, gdn.merged["b_a"], x)  # the small b/a projection beside the big one
     qkv, z = gdn.merged["qkv_z"](x)  # each pair one launch where its formats agree (merge.py)
     join()
@@ -65,8 +65,8 @@ def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch, residua
         qkv, z, b, a,
         batch.pool.conv[gdn.layer_idx], gdn.conv1d.weight, gdn.A_log, gdn.dt_bias, gdn.norm.weight,
         batch.pool.recurrent[gdn.layer_idx], gdn.num_k_heads, gdn.eps,
-        positions=batch.positions, slots=batch.slots, state_rows=(batch.state_in, batch.state_out),
-        tokens_per_seq=batch.tokens_per_seq, step_records=step_records,
+        slots=batch.slots, state_rows=(batch.state_in, batch.state_out), tokens_per_seq=batch.tokens_per_seq,
+        step_records=step_records, step_conv=step_conv,
     )
     return out_projection(gdn.out_proj, core, residual)
 
