@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The work waiting for a GPU (benchmarks/NOTES-kernels.md, "Session 32"), as phases that each fit one 10-minute
-# device call (session 26 on an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py`
-# call of two variants ~45-60 s, of nine ~150 s; each with a ~50 s start). What waits is `ring-ab` on the GDN conv
-# ring, which is not on main: `git apply benchmarks/patches/gdn-conv-ring.patch` first (NOTES-kernels, "Session 32"):
+# The GPU experiments (benchmarks/NOTES-kernels.md), as phases that each fit one 10-minute device call (session 26 on
+# an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py` call of two variants
+# ~45-60 s, of nine ~150 s; each with a ~50 s start). The GDN conv ring is not on main (its M = 3 step is slower,
+# sessions 32-33): `ring` and `ring-ab` need `git apply benchmarks/patches/gdn-conv-ring.patch` first:
 #   OUT=... bash benchmarks/experiments.sh ring     # with the patch applied: its GPU tests, and the step against the
 #                                                   # tree before it (ROOFLINE_BEFORE: that commit's roofline package
 #                                                   # in .carry/before), in alternating processes (~6 min); `ring-ab`
