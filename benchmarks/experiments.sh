@@ -128,6 +128,12 @@ case "${1:-}" in
     # its GPU tests, then ab_step's default (and $RING_VARIANTS) in alternating processes, the tree before the ring
     # (.carry/before/roofline, commit ROOFLINE_BEFORE) against this one, ABBA; a call cut short loses the second pair
     # first. `ring-ab`: the pairs alone
+    # without the tree before, its runs would import this tree's package (ab_step searches PYTHONPATH in order, and
+    # $PWD is on it) and measure the ring against itself
+    if [ ! -f .carry/before/roofline/__init__.py ] || [ -z "${ROOFLINE_BEFORE:-}" ]; then
+      echo "$1: needs the tree before the ring in .carry/before/roofline and its commit in ROOFLINE_BEFORE" >&2
+      exit 2
+    fi
     ring_ab() {  # before|ring, pair number
       local tree=$1 pair=$2 path=$PWD commit=$ROOFLINE_COMMIT
       [ "$tree" = before ] && path=$PWD/.carry/before commit=$ROOFLINE_BEFORE
