@@ -48,14 +48,15 @@ def _no_input_projections(projections, x):
     return list(x.new_zeros(*x.shape[:-1], sum(projections.sizes)).split(projections.sizes, dim=-1))
 
 
-def _no_gdn_kernel(qkv, z, *args, **kwargs):
-    """mixers.gdn_decode for `timing-no-gdn-kernel`: zeros of the core output's shape, no recurrence."""
+def _no_gdn_kernel(qkv, z, *args, defer_norm=False, **kwargs):
+    """mixers.gdn_decode for `timing-no-gdn-kernel`: zeros of the core output's shape (and unit sums of squares
+    where the norm is left to the out projection), no recurrence."""
     import torch
 
-    return torch.zeros_like(z)
+    return (torch.zeros_like(z), torch.ones(*z.shape[:-1], 1, 1, device=z.device)) if defer_norm else torch.zeros_like(z)
 
 
-def _no_out_projection(weight, x, residual):
+def _no_out_projection(weight, x, residual, head_norm=None):
     """mixers.out_projection for `timing-no-out-projections`: the residual as h (and unit sums of squares), no GEMV."""
     import torch
 
@@ -186,12 +187,11 @@ VARIANTS = {
     # quarter of the lanes holding the row) against every lane summing its column's splits, 32 splits' loads at once
     "int4-one-row-tile-sum": _module_setting("roofline.kernels.int4_tc", "ONE_ROW_FLAT_SUM", False),
     "out-proj-verify-2-per-sm": _module_setting("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
-    # session 30, timing only: the GDN kernel without moving or saving the conv windows (a position-indexed ring's most)
-    "timing-gdn-no-windows": _timing_only("no window moves or saves", (
-        "roofline.kernels.gdn_decode", "TIMING_NO_WINDOWS", True)),
-    # and without its arrival round (no gated norms, no q/k windows' move; o as the output)
+    # session 30, timing only: the GDN kernel without its arrival round (no gated norms; o as the output)
     "timing-gdn-no-norm-round": _timing_only("o as the output", (
         "roofline.kernels.gdn_decode", "TIMING_NO_NORM_ROUND", True)),
+    # session 34: the GDN kernel's gated norm whole, in its arrival round (mixers.GDN_NORM_IN_OUT_PROJ off)
+    "gdn-norm-round": _module_setting("roofline.kernels.mixers", "GDN_NORM_IN_OUT_PROJ", False),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # The GPU experiments (benchmarks/NOTES-kernels.md), as phases that each fit one 10-minute device call (session 26 on
 # an H100: `first` + one GPU test file 240 s, `tests-cli` 264 s, `ncu` 92 s, an `ab_step.py` call of two variants
-# ~45-60 s, of nine ~150 s; each with a ~50 s start). The GDN conv ring is not on main (its M = 3 step is slower,
-# sessions 32-33): `ring` and `ring-ab` need `git apply benchmarks/patches/gdn-conv-ring.patch` first:
-#   OUT=... bash benchmarks/experiments.sh ring     # with the patch applied: its GPU tests, and the step against the
-#                                                   # tree before it (ROOFLINE_BEFORE: that commit's roofline package
-#                                                   # in .carry/before), in alternating processes (~6 min); `ring-ab`
-#                                                   # the A/B alone, with RING_VARIANTS (ab_step variants) in each
+# ~45-60 s, of nine ~150 s; each with a ~50 s start).
+#   OUT=... bash benchmarks/experiments.sh trees    # the GDN GPU tests, and the step against an earlier tree
+#                                                   # (ROOFLINE_BEFORE: that commit's roofline package in
+#                                                   # .carry/before), in alternating processes (~6 min); `trees-ab`
+#                                                   # the A/B alone, with TREE_VARIANTS (ab_step variants) in each
 #   OUT=... bash benchmarks/experiments.sh next     # the kernels' GPU test file whole (~3-6 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min); `table`: without its greedy GPU tests
@@ -124,30 +123,29 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify,router-two-rows --rounds 3 2>&1 \
       | tail -30
     ;;
-  ring|ring-ab)  # the GDN conv ring (session 32; benchmarks/patches/gdn-conv-ring.patch applied to the working tree):
-    # its GPU tests, then ab_step's default (and $RING_VARIANTS) in alternating processes, the tree before the ring
-    # (.carry/before/roofline, commit ROOFLINE_BEFORE) against this one, ABBA; a call cut short loses the second pair
-    # first. `ring-ab`: the pairs alone
-    # without the tree before, its runs would import this tree's package (ab_step searches PYTHONPATH in order, and
-    # $PWD is on it) and measure the ring against itself
+  trees|trees-ab)  # two trees' steps (sessions 32-34: the GDN conv ring): this tree's GDN GPU tests, then ab_step's
+    # default (and $TREE_VARIANTS) in alternating processes, an earlier tree (.carry/before/roofline, commit
+    # ROOFLINE_BEFORE) against this one, ABBA; a call cut short loses the second pair first. `trees-ab`: the pairs
+    # alone. Without the earlier tree its runs would import this tree's package (ab_step searches PYTHONPATH in
+    # order, and $PWD is on it) and measure this tree against itself
     if [ ! -f .carry/before/roofline/__init__.py ] || [ -z "${ROOFLINE_BEFORE:-}" ]; then
-      echo "$1: needs the tree before the ring in .carry/before/roofline and its commit in ROOFLINE_BEFORE" >&2
+      echo "$1: needs the earlier tree in .carry/before/roofline and its commit in ROOFLINE_BEFORE" >&2
       exit 2
     fi
-    ring_ab() {  # before|ring, pair number
+    trees_ab() {  # before|this, pair number
       local tree=$1 pair=$2 path=$PWD commit=$ROOFLINE_COMMIT
       [ "$tree" = before ] && path=$PWD/.carry/before commit=$ROOFLINE_BEFORE
       echo "== $tree $pair"  # a script's imports search its folder, then PYTHONPATH: $path's roofline
       PYTHONPATH=$path:$PYTHONPATH OUT=$OUT/ab-tmp ROOFLINE_COMMIT=$commit \
-        timeout 150 python3 benchmarks/ab_step.py --variants "${RING_VARIANTS:-}" --rounds 3 2>&1 | tail -5
+        timeout 150 python3 benchmarks/ab_step.py --variants "${TREE_VARIANTS:-}" --rounds 3 2>&1 | tail -5
       mv "$OUT/ab-tmp/ab_step.json" "$OUT/ab-$tree-$pair.json" 2>/dev/null
     }
-    [ "$1" = ring ] && gpu_tests 150 tests/test_kernels.py -m gpu -k gdn
-    ring_ab before 1
-    ring_ab ring 1
-    [ "$1" = ring ] && gpu_tests 200 tests/test_pooled_decode.py -m gpu -k greedy
-    ring_ab ring 2
-    ring_ab before 2
+    [ "$1" = trees ] && gpu_tests 150 tests/test_kernels.py -m gpu -k gdn
+    trees_ab before 1
+    trees_ab this 1
+    [ "$1" = trees ] && gpu_tests 200 tests/test_pooled_decode.py -m gpu -k greedy
+    trees_ab this 2
+    trees_ab before 2
     ;;
   ab-order)  # the MTP engine keeps GPTQ order because its verify rows measured faster there on one id repeated
     for round in a b; do
@@ -156,7 +154,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|ring|ring-ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|trees|trees-ab|ab-order" >&2
     exit 2
     ;;
 esac

@@ -385,6 +385,7 @@ def bench_int8(b: Bench, quick: bool):
 
 
 def bench_gdn(b: Bench, quick: bool):
+    from roofline.engine.cache import conv_ring_rows
     from roofline.kernels.gdn_decode import gdn_decode, gdn_decode_reference
 
     hk, hv, dk, dv, kernel = 16, 64, 128, 128, 4
@@ -399,21 +400,24 @@ def bench_gdn(b: Bench, quick: bool):
                 z=torch.randn(bsz, hv * dv, device="cuda", dtype=torch.bfloat16),
                 b=torch.randn(bsz, hv, device="cuda", dtype=torch.bfloat16),
                 a=torch.randn(bsz, hv, device="cuda", dtype=torch.bfloat16),
-                conv_state=torch.randn(bsz, kernel - 1, c, device="cuda", dtype=torch.bfloat16),
+                conv_state=torch.randn(bsz, conv_ring_rows(kernel), c, device="cuda", dtype=torch.bfloat16),
                 state=torch.randn(bsz, hv, dk, dv, device="cuda") * 0.1,
+                positions=torch.full((bsz,), 37, device="cuda"),  # a position past the ring's first wrap
             )
 
         sets = [one_set() for _ in range(n_sets)]
         fixed = dict(conv_weight=torch.randn(c, 1, kernel, device="cuda", dtype=torch.bfloat16) * 0.3,
                      A_log=torch.randn(hv, device="cuda") * 0.3, dt_bias=torch.randn(hv, device="cuda") * 0.3,
                      norm_weight=torch.ones(dv, device="cuda", dtype=torch.bfloat16))
-        nbytes = 2 * state_bytes + bsz * (2 * (kernel - 1) * c * 2 + c * 2 + 2 * hv * dv * 2 + hv * dv * 2 + 4 * hv)
+        # the state read and written; the ring's K-1 rows read and one written; qkv, z, the output, b and a
+        nbytes = 2 * state_bytes + bsz * (kernel * c * 2 + c * 2 + 2 * hv * dv * 2 + hv * dv * 2 + 4 * hv)
         shape = f"GDN B={bsz} {hv}h {dk}x{dv} fp32 state"
 
         def make(cfg):
             def call(s):
                 return gdn_decode(s["qkv"], s["z"], s["b"], s["a"], s["conv_state"], fixed["conv_weight"], fixed["A_log"],
-                                  fixed["dt_bias"], fixed["norm_weight"], s["state"], hk, **(cfg or {}))
+                                  fixed["dt_bias"], fixed["norm_weight"], s["state"], hk, positions=s["positions"],
+                                  **(cfg or {}))
             return Rotor(call, [(s,) for s in sets])
 
         if b.sweep:
@@ -424,7 +428,7 @@ def bench_gdn(b: Bench, quick: bool):
         t = median_us(make(None))
         base = median_us(Rotor(lambda s: gdn_decode_reference(
             s["qkv"], s["z"], s["b"], s["a"], s["conv_state"], fixed["conv_weight"], fixed["A_log"], fixed["dt_bias"],
-            fixed["norm_weight"], s["state"], hk), [(s,) for s in sets]))
+            fixed["norm_weight"], s["state"], hk, positions=s["positions"]), [(s,) for s in sets]))
         b.record("gdn_decode", shape, nbytes, t, baseline=base, note="baseline: the eager PyTorch reference (~25 kernels)")
         del sets
 

@@ -119,17 +119,18 @@ def bench_attention(copy, budget, ms=(1,), sweep=True):
 
 
 def bench_gdn(copy, budget, batch=1):
-    from roofline.engine.cache import step_record_size
+    from roofline.engine.cache import conv_ring_rows, step_record_size
     from roofline.kernels.gdn_decode import gdn_decode, gdn_decode_reference
 
     hk, hv, dk, dv, kernel = S["hk"], S["hv"], S["dk"], S["dv"], 4
     c = 2 * hk * dk + hv * dv
     state_bytes = batch * hv * dk * dv * 4
-    conv_bytes = batch * (kernel - 1) * c * 2
+    row_bytes = batch * c * 2  # one conv ring row of each sequence
     fixed = dict(conv_weight=torch.randn(c, 1, kernel, device=DEV, dtype=DT) * 0.3,
                  A_log=torch.randn(hv, device=DEV) * 0.3, dt_bias=torch.randn(hv, device=DEV) * 0.3,
                  norm_weight=torch.ones(dv, device=DEV, dtype=DT))
     slots = torch.arange(batch, dtype=torch.int32, device=DEV)
+    first = 37  # each sequence's first position: past the ring's first wrap
     one_token = {}
     for m in (1, 2, 3, 4):
         if over(budget):
@@ -140,37 +141,38 @@ def bench_gdn(copy, budget, batch=1):
                      z=torch.randn(n, hv * dv, device=DEV, dtype=DT),
                      b=torch.randn(n, hv, device=DEV, dtype=DT),
                      a=torch.randn(n, hv, device=DEV, dtype=DT),
-                     conv_state=torch.randn(batch, kernel - 1, c, device=DEV, dtype=DT),
+                     conv_state=torch.randn(batch, conv_ring_rows(kernel), c, device=DEV, dtype=DT),
                      state=torch.randn(batch, hv, dk, dv, device=DEV) * 0.1,
-                     ss=torch.empty(batch, m - 1, step_record_size(hk, dk, hv, dv), device=DEV),
-                     sc=torch.empty(batch, m - 1, kernel - 1, c, device=DEV, dtype=DT))
+                     ss=torch.empty(batch, m - 1, step_record_size(hk, dk, hv, dv), device=DEV))
                 for _ in range(n_sets)]
         io = n * (c * 2 + 2 * hv * dv * 2 + 4 * hv)
-        nbytes = 2 * state_bytes + 2 * conv_bytes + io
-        save_bytes = (m - 1) * (batch * step_record_size(hk, dk, hv, dv) * 4 + conv_bytes)
+        nbytes = 2 * state_bytes + (kernel - 1 + m) * row_bytes + io  # the ring: K-1 rows read, M written
+        save_bytes = (m - 1) * batch * step_record_size(hk, dk, hv, dv) * 4
         shape = f"GDN B={batch} M={m}"
+
+        positions = (first + torch.arange(m, device=DEV)).repeat(batch)
 
         def call(s, save=False, m=m):
             return gdn_decode(s["qkv"], s["z"], s["b"], s["a"], s["conv_state"], fixed["conv_weight"], fixed["A_log"],
-                              fixed["dt_bias"], fixed["norm_weight"], s["state"], hk, slots=slots, tokens_per_seq=m,
-                              step_records=s["ss"] if save else None, step_conv=s["sc"] if save else None)
+                              fixed["dt_bias"], fixed["norm_weight"], s["state"], hk, positions=positions, slots=slots,
+                              tokens_per_seq=m, step_records=s["ss"] if save else None)
 
         for s in sets:  # each token's rows of the batch, contiguous, for the one-token launches
             s["tokens"] = [tuple(s[k][j::m].contiguous() for k in ("qkv", "z", "b", "a")) for j in range(m)]
 
         def m_singles(s, m=m):  # the same M tokens as M one-token launches
-            for qkv, z, b, a in s["tokens"]:
-                gdn_decode(qkv, z, b, a, s["conv_state"], fixed["conv_weight"],
-                           fixed["A_log"], fixed["dt_bias"], fixed["norm_weight"], s["state"], hk, slots=slots)
+            for j, (qkv, z, b, a) in enumerate(s["tokens"]):
+                gdn_decode(qkv, z, b, a, s["conv_state"], fixed["conv_weight"], fixed["A_log"], fixed["dt_bias"],
+                           fixed["norm_weight"], s["state"], hk, positions=positions[j::m], slots=slots)
 
         s0 = sets[0]
         chk = {k: v.clone() for k, v in s0.items() if k != "tokens"}
         y = call(chk, save=True)
         ref_state, ref_conv = s0["state"].clone(), s0["conv_state"].clone()
-        rss, rsc = torch.empty_like(s0["ss"]), torch.empty_like(s0["sc"])
+        rss = torch.empty_like(s0["ss"])
         ref = gdn_decode_reference(s0["qkv"], s0["z"], s0["b"], s0["a"], ref_conv, fixed["conv_weight"], fixed["A_log"],
-                                   fixed["dt_bias"], fixed["norm_weight"], ref_state, hk, slots=slots, tokens_per_seq=m,
-                                   step_records=rss, step_conv=rsc)
+                                   fixed["dt_bias"], fixed["norm_weight"], ref_state, hk, positions=positions,
+                                   slots=slots, tokens_per_seq=m, step_records=rss)
         err = max(rel_err(y, ref), rel_err(chk["state"], ref_state), rel_err(chk["ss"], rss) if m > 1 else 0.0)
         t = median_us(Rotor(call, [(s,) for s in sets]))
         base = median_us(Rotor(m_singles, [(s,) for s in sets])) if m > 1 else None
@@ -181,7 +183,7 @@ def bench_gdn(copy, budget, batch=1):
         if m > 1:
             t2 = median_us(Rotor(lambda s: call(s, save=True), [(s,) for s in sets]))
             record("gdn", shape, "one launch + step outputs", t2, nbytes + save_bytes, copy, baseline=base,
-                   note=f"+{save_bytes / 1e6:.1f} MB of rollback step records/windows")
+                   note=f"+{save_bytes / 1e6:.1f} MB of rollback step records")
         del sets
         torch.cuda.empty_cache()
 

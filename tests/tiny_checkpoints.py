@@ -194,10 +194,10 @@ def write_variant(
     return reference, ref_mtp
 
 
-def write_random_checkpoint(path, seed: int, plan: dict | None = None):
+def write_random_checkpoint(path, seed: int, plan: dict | None = None, **overrides):
     """A random tiny Qwen3.5-MoE checkpoint (with its MTP head) for engine tests; end of sequence is id 255, so
-    random weights rarely stop early."""
-    cfg = text_config(eos_token_id=255)
+    random weights rarely stop early. `overrides`: config fields (text_config's)."""
+    cfg = text_config(eos_token_id=255, **overrides)
     hf, mtp = reference_model(cfg, seed=seed)
     write_variant(hf, mtp, path, cfg=cfg, plan=plan)
     return path

@@ -168,8 +168,8 @@ def step_ids(vocab: int, m: int, distinct: bool) -> list[int]:
 def decode_ms(run: SyntheticRun, m: int, repeats: int, rollback: bool = False, distinct: bool = False) -> tuple[float, float]:
     """(engine step ms: inputs in, graph replay, argmax read back; replay alone ms): one sequence, m tokens
     (`step_ids`). With `rollback` the step writes the GDN states to the spare buffers and saves each position's
-    step record and conv window, as the engine's MTP verify does. Without graphs (the interpreter's dry run) there is
-    no replay: the step's time twice, no warm-up."""
+    step record, as the engine's MTP verify does. Without graphs (the interpreter's dry run) there is no replay: the
+    step's time twice, no warm-up."""
     ids = step_ids(run.model.config.vocab_size, m, distinct)
 
     def step():
@@ -503,10 +503,12 @@ def engine_prefill(model, prompts=(4096,), repeats: int = 3, warmup_tokens: int 
     return rows
 
 
-def _pool_bytes(pool: CachePool) -> tuple[int, int]:
-    """(GDN state bytes read + written per token, KV bytes read per context token) of one slot."""
-    state = sum(t[0].numel() * t.element_size() for t in (*pool.recurrent.values(), *pool.conv.values()))
-    return 2 * state, pool.kv_bytes_per_token
+def _pool_bytes(pool: CachePool, kernel: int, m: int = 1) -> tuple[int, int]:
+    """(GDN state bytes an m-token step of one slot reads and writes: the recurrent states read and written once,
+    the K-1 conv inputs before the step read from the ring and its m written; KV bytes read per context token)."""
+    recurrent = sum(t[0].numel() * t.element_size() for t in pool.recurrent.values())
+    conv = sum((kernel - 1 + m) * t.shape[-1] * t.element_size() for t in pool.conv.values())
+    return 2 * recurrent + conv, pool.kv_bytes_per_token
 
 
 def _step_bytes(run: SyntheticRun, tb: TokenBytes, m: int, step_ms: float, copy_bw: float, distinct: bool = False) -> dict:
@@ -515,7 +517,7 @@ def _step_bytes(run: SyntheticRun, tb: TokenBytes, m: int, step_ms: float, copy_
     experts = distinct_experts(run, m, distinct)
     if experts is None:
         return {}
-    state, _ = _pool_bytes(run.pool)
+    state, _ = _pool_bytes(run.pool, run.model.config.linear_conv_kernel_dim, m)
     nbytes = tb.weights + tb.experts_stored * (experts - tb.top_k) / tb.num_experts + state
     return {"distinct_experts_per_layer": experts, "bytes": nbytes,
             "fraction_of_ceiling": nbytes / copy_bw / (step_ms / 1e3)}
@@ -570,7 +572,7 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     run = SyntheticRun(model, pool, DecodeGraphs(model, pool, 1, use_graphs=cuda), pool.acquire(), mtp_pool)
 
     tb = engine_token_bytes(model)
-    state_bytes, kv_per_token = _pool_bytes(pool)
+    state_bytes, kv_per_token = _pool_bytes(pool, cfg.linear_conv_kernel_dim)
     result.update({
         "copy_bandwidth": copy_bw,
         "kernels": dict(fast.installed),

@@ -38,8 +38,14 @@ class SequenceCache:
         self.step_conv.clear()
         self.step_recurrent.clear()
 
-    def set_conv(self, layer: int, window: torch.Tensor) -> None:
-        self.conv[layer] = window
+    def conv_window(self, layer: int, history: int) -> torch.Tensor | None:
+        """The conv inputs of the `history` positions before the next token (None before the first step)."""
+        return self.conv.get(layer)
+
+    def set_conv(self, layer: int, window: torch.Tensor, history: int) -> None:
+        """After a step's conv: `window` holds the inputs of positions num_tokens - history .. num_tokens + t - 1
+        (the history it read, then its t tokens'); the cache keeps the last `history`."""
+        self.conv[layer] = window[-history:].clone()
 
     def set_recurrent(self, layer: int, state: torch.Tensor) -> None:
         self.recurrent[layer] = state
@@ -66,11 +72,16 @@ class SequenceCache:
         for layer in self.keys:
             self.keys[layer] = self.keys[layer][:num_tokens]
             self.values[layer] = self.values[layer][:num_tokens]
-        for layer, window in self.step_conv.items():
-            self.set_conv(layer, window[keep : keep + self.conv[layer].shape[0]].clone())
+        self._rewind_conv(keep)
         for layer, states in self.step_recurrent.items():
             self.set_recurrent(layer, states[keep - 1])
         self.num_tokens = num_tokens
+
+    def _rewind_conv(self, keep: int) -> None:
+        """The conv windows after the first `keep` tokens of the last (recorded) step."""
+        steps = self.num_tokens - self.step_start
+        for layer, window in self.step_conv.items():
+            self.conv[layer] = window[keep : keep + window.shape[0] - steps].clone()
 
     @property
     def nbytes(self) -> int:
@@ -94,14 +105,22 @@ def step_record_size(num_k_heads: int, k_dim: int, num_v_heads: int, v_dim: int)
     return num_k_heads * k_dim + num_v_heads * v_dim + num_v_heads
 
 
+def conv_ring_rows(kernel: int) -> int:
+    """Rows of a pool slot's GDN conv ring (position p in row p mod R): a power of two (the kernel takes the row as
+    a mask) with room for the K-1 inputs a step reads and the most tokens a step writes, CachePool.PAD_TOKENS."""
+    need = kernel - 1 + CachePool.PAD_TOKENS
+    return 1 << (need - 1).bit_length()
+
+
 class CachePool:
     """Decode state for `num_slots` sequences, allocated once: what CUDA graphs index by slot.
 
     keys/values [S, max_len + PAD_TOKENS, kv_heads, head_dim] per full-attention layer (model
-    dtype); conv [S + 1, K-1, conv_dim] and recurrent [(S + 1) x state_buffers, v_heads, k_dim, v_dim] fp32 per GDN
-    layer, the layers' recurrent states views of one tensor (`recurrent_all`, which `gdn_replay` takes whole). With
-    two state buffers (MTP speculation) slot s's state lives in row 2s + parity: a verify step reads the current
-    buffer and writes the other, so the state before the step survives for the rollback (SlotCache.flip_state).
+    dtype); conv [S + 1, R, conv_dim] (a ring by position, R = conv_ring_rows(K)) and recurrent
+    [(S + 1) x state_buffers, v_heads, k_dim, v_dim] fp32 per GDN layer, the layers' recurrent states views of one
+    tensor (`recurrent_all`, which `gdn_replay` takes whole). With two state buffers (MTP speculation) slot s's state
+    lives in row 2s + parity: a verify step reads the current buffer and writes the other, so the state before the
+    step survives for the rollback (SlotCache.flip_state).
     The padding rows of a batch bucket need somewhere harmless to write: for GDN state
     the extra slot `pad_slot` (a few hundred MB at most), for keys and values the last
     PAD_TOKENS positions of slot 0, which no sequence reaches (a whole extra KV slot would cost
@@ -131,7 +150,8 @@ class CachePool:
                 self.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
                 self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
             else:
-                self.conv[i] = torch.zeros(slots, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim, dtype=dtype, device=device)
+                self.conv[i] = torch.zeros(slots, conv_ring_rows(cfg.linear_conv_kernel_dim), cfg.linear_conv_dim,
+                                           dtype=dtype, device=device)
                 self.recurrent[i] = self.recurrent_all[gdn.index(i)]
         self.pad_slot = num_slots  # GDN state of padding rows (state row pad_slot * state_buffers)
         self.pad_kv = (0, max_len)  # (slot, first position) of padding rows' keys and values
@@ -230,8 +250,24 @@ class SlotCache(SequenceCache):
             self._keys[layer] = self.pool.keys[layer][self.slot, : self.num_tokens]
             self._values[layer] = self.pool.values[layer][self.slot, : self.num_tokens]
 
-    def set_conv(self, layer: int, window: torch.Tensor) -> None:
-        self.conv[layer].copy_(window)
+    def _ring_rows(self, layer: int, start: int, end: int) -> torch.Tensor:
+        ring = self.conv[layer]
+        return torch.arange(start, end, device=ring.device) % ring.shape[0]
+
+    def conv_window(self, layer: int, history: int) -> torch.Tensor:
+        """From the slot's ring (zeros before position 0: a slot's ring is cleared when acquired)."""
+        return self.conv[layer][self._ring_rows(layer, self.num_tokens - history, self.num_tokens)]
+
+    def set_conv(self, layer: int, window: torch.Tensor, history: int) -> None:
+        """The step's inputs to their ring rows (a prefill longer than the ring: its last R)."""
+        ring = self.conv[layer]
+        new = window[history:][-ring.shape[0] :]
+        end = self.num_tokens + window.shape[0] - history
+        ring[self._ring_rows(layer, end - new.shape[0], end)] = new
+
+    def _rewind_conv(self, keep: int) -> None:
+        """Nothing to restore: the ring holds every input by position, and the rows the next step reads (the kept
+        tokens' and older) are where the step wrote them."""
 
     def set_recurrent(self, layer: int, state: torch.Tensor) -> None:
         self.recurrent[layer].copy_(state)

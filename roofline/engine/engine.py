@@ -233,7 +233,7 @@ class Engine:
                                   state_buffers=2 if self.speculator else 1)
             if self.speculator:
                 self.mtp_pool = CachePool(cfg, ["full_attention"], max_num_seqs, capacity, model.device, model.dtype)
-            # each verify saves every GDN layer's step records and conv window after each draft, for the rollback
+            # each verify saves every GDN layer's step records after each draft, for the rollback
             self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, use_graphs,
                                        rollback_rows=max_num_seqs * self.speculator.k_max if self.speculator else 0)
         except torch.OutOfMemoryError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -80,15 +80,12 @@ class StepBuffers:
     """Static inputs and outputs of one bucket's graph."""
 
     inputs: StepInputs
-    rollback: dict[int, tuple[torch.Tensor, torch.Tensor]] | None  # layer -> (step records, conv windows) views
+    rollback: dict[int, torch.Tensor] | None  # layer -> step records view
     records: torch.Tensor | None = None  # the storage its records views are of (gdn_replay reads it whole)
     hidden_in: torch.Tensor | None = None  # [B*M, H] the MTP head's hidden input
     hidden: torch.Tensor | None = None  # [B*M, H] post-norm
     logits: torch.Tensor | None = None  # [B*M, V] fp32
     graph: torch.cuda.CUDAGraph | None = None
-    # keep()'s conv-window copy lists per (slot, row, kept): 72 tensor views on the 122B, host time per MTP step while
-    # the GPU waits, made once instead
-    restores: dict[tuple[int, int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
 
 
 class DecodeGraphs:
@@ -97,12 +94,12 @@ class DecodeGraphs:
 
     A verify step with a rollback (`rollback=True`) reads each sequence's GDN state from its current buffer and
     writes the new state to the other (the pool has two: CachePool's `state_buffers`), saving per GDN layer and
-    position but the last the step's records (gdn_decode's `step_records`: k, d and decay, 40 KB on the 122B) and
-    conv window; `keep` then switches the sequence to the new state, or, where drafts were rejected, rebuilds the
-    kept tokens' state from the old one (`gdn_replay`, one launch) and restores the window. Those saves live in one
-    storage that every bucket views: steps run one at a time and `keep` reads a step's saves before the next step
-    runs. `rollback_rows` (sequences x drafts) reserves it up front, so the engine's memory is known at start; a
-    larger step grows it."""
+    position but the last the step's records (gdn_decode's `step_records`: k, d and decay, 40 KB on the 122B); `keep`
+    then switches the sequence to the new state, or, where drafts were rejected, rebuilds the kept tokens' state from
+    the old one (`gdn_replay`, one launch); the conv rings need nothing, they hold the inputs by position. The records
+    live in one storage that every bucket views: steps run one at a time and `keep` reads a step's records before the
+    next step runs. `rollback_rows` (sequences x drafts) reserves it up front, so the engine's memory is known at
+    start; a larger step grows it."""
 
     def __init__(self, model, pool: CachePool, max_batch: int, use_graphs: bool, mtp: bool = False, logits=None,
                  rollback_rows: int = 0):
@@ -113,15 +110,13 @@ class DecodeGraphs:
         self.replays = 0
         self.captures: list[dict] = []  # per captured bucket: its key and the seconds its warm-up and capture took
         self.records: torch.Tensor | None = None  # [GDN layers, R, record_size] fp32: the verify's step records
-        self.conv_saves: dict[int, torch.Tensor] = {}  # layer -> conv windows [R, K-1, C]
         self.replay_compiled = False
         if rollback_rows:
             self._reserve_saves(rollback_rows)
 
     @property
     def saves_nbytes(self) -> int:
-        saves = [*self.conv_saves.values(), *([] if self.records is None else [self.records])]
-        return sum(t.numel() * t.element_size() for t in saves)
+        return 0 if self.records is None else self.records.numel() * self.records.element_size()
 
     def _reserve_saves(self, rows: int) -> None:
         """A new storage of `rows` positions' saves (buckets captured on an older one keep it alive)."""
@@ -131,20 +126,17 @@ class DecodeGraphs:
         layers, _, hv, dk, dv = pool.recurrent_all.shape
         self.records = torch.zeros(layers, rows, step_record_size(self._k_heads(), dk, hv, dv), dtype=torch.float32,
                                    device=dev)
-        self.conv_saves = {layer: torch.empty(rows, *conv.shape[1:], dtype=conv.dtype, device=dev)
-                           for layer, conv in pool.conv.items()}
 
     def _k_heads(self) -> int:
         return self.model.config.linear_num_key_heads
 
-    def _rollback_views(self, b: int, m: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def _rollback_views(self, b: int, m: int) -> dict[int, torch.Tensor]:
         """Per GDN layer, [b, m-1, ...] views of the saves' storage (contiguous prefixes), grown first if too small."""
         self.pool.require_spare_state()
         rows = b * (m - 1)
         if self.records is None or self.records.shape[1] < rows:
             self._reserve_saves(rows)
-        return {layer: (self.records[i, :rows].view(b, m - 1, -1), self.conv_saves[layer][:rows].view(b, m - 1, *conv.shape[1:]))
-                for i, (layer, conv) in enumerate(self.pool.conv.items())}
+        return {layer: self.records[i, :rows].view(b, m - 1, -1) for i, layer in enumerate(self.pool.conv)}
 
     def _new_buffers(self, b: int, m: int, rollback: bool) -> StepBuffers:
         dev, pool = self.model.device, self.pool
@@ -279,18 +271,11 @@ class DecodeGraphs:
     def keep(self, buf: StepBuffers, index: int, cache: SlotCache, m: int, kept: int) -> None:
         """Advance `cache` (row `index` of the last step) by the first `kept` of its m tokens. After a verify with a
         rollback the sequence's state is in its spare buffer: with every token kept that is the state; with fewer,
-        the kept tokens' state is rebuilt there from the state before the step (gdn_replay) and the conv windows
-        saved after token kept-1 are restored."""
+        the kept tokens' state is rebuilt there from the state before the step (gdn_replay)."""
         if kept < m and buf.rollback is None:
             raise RuntimeError("this step saved no rollback state")
         if buf.rollback is not None:
             if kept < m:
                 self._replay(buf, cache.state_row, cache.spare_state_row, index * (m - 1), kept)
-                # one multi-tensor copy, not one copy per GDN layer (36 on the 122B) issued while the GPU waits
-                key = (cache.slot, index, kept)
-                if key not in buf.restores:
-                    buf.restores[key] = ([self.pool.conv[layer][cache.slot] for layer in buf.rollback],
-                                         [conv[index, kept - 1] for _, conv in buf.rollback.values()])
-                torch._foreach_copy_(*buf.restores[key])
             cache.flip_state()
         cache.advance(kept)

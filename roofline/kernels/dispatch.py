@@ -49,11 +49,11 @@ def int4_tc_capable(weight: Int4Weight, dtype: torch.dtype) -> bool:
     return use_tc(int4_config(weight)) and _blockable(weight, dtype)
 
 
-def _int4_residual(weight: Int4Weight, sym: bool, x: torch.Tensor, residual: torch.Tensor):
+def _int4_residual(weight: Int4Weight, sym: bool, x: torch.Tensor, residual: torch.Tensor, head_norm=None):
     from .int4_tc import int4_matmul_residual
 
     return int4_matmul_residual(x, weight.qweight, weight.qzeros, weight.scales, residual, sym=sym,
-                                config=int4_config(weight))
+                                config=int4_config(weight), head_norm=head_norm)
 
 
 def _int4(weight: Int4Weight, sym: bool, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
@@ -290,6 +290,7 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
     """Decoder layers, MoE blocks and MLPs with fewer launches for decode rows (blocks.py)."""
     from .blocks import fused_router, layer_forward, mlp_forward, moe_forward, norm_in_gemvs
     from .int4_gemv import is_symmetric
+    from .mixers import gdn_norm_in_out_proj
 
     apart = 0
     for module in model.modules():
@@ -313,6 +314,8 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
             module.norm_in_gemvs = norm_in_gemvs(module, model.dtype)
             if module.norm_in_gemvs:
                 installed["layer add + norm in out_proj's epilogue and the MoE GEMVs' prologues"] += 1
+                if module.layer_type != "full_attention" and gdn_norm_in_out_proj(module.linear_attn):
+                    installed["GDN gated norm's rms in out_proj"] += 1
     if apart:
         log.info("%d MoE routers run their GEMV and a separate top-k kernel: the router weight is neither dense "
                  "16-bit nor block FP8 with a decode kernel", apart)

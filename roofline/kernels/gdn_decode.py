@@ -1,8 +1,8 @@
 """Fused Gated DeltaNet decode step: M = 1..5 new tokens per sequence, all of a layer's GDN math in one launch.
 
-Per sequence b and value head h (key head h // (Hv/Hk)), token by token, from the projections:
-  conv:  window = [conv_state[b] (K-1 rows) | qkv[b]]; mixed = silu(sum_i w[c, i] window[i, c]);
-         conv_state[b] <- window[1:]                                   (in place)
+Per sequence b and value head h (key head h // (Hv/Hk)), token by token at position p, from the projections:
+  conv:  window = the inputs of positions p-K+1 .. p (the last from qkv[b]); mixed = silu(sum_i w[c, i] window[i, c]);
+         ring[b][p mod R] <- qkv[b]                                    (in place)
   norms: q = l2norm(q) * dk^-0.5, k = l2norm(k)                       (per key head, eps 1e-6)
   gates: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
   delta rule on S [dk, dv] fp32 (in place):
@@ -10,8 +10,14 @@ Per sequence b and value head h (key head h // (Hv/Hk)), token by token, from th
   out:   w * rmsnorm(o) * silu(z)                                      (over each head's dv)
 The roundings to the model dtype follow roofline.model.layers.GatedDeltaNet step for step.
 
+The conv state is a ring: conv_state [S, R, C] holds the input of position p in row p mod R (R a power of two, at
+least K-1 + M: `conv_ring_rows`). A step reads the K-1 rows before its first position and writes its M inputs to
+their own rows, so no program overwrites a row another still reads and nothing moves; a verify step that keeps fewer
+tokens needs no conv restore (the rows the next step reads are the kept tokens' and older). `positions` [B*M] are the
+rows' absolute positions (the step batch's; the kernel reads each sequence's first).
+
 Pools and several tokens (the CUDA-graph decode step and the MTP verify step):
-- `slots` [B] (int32/int64, optional): conv_state [S, K-1, C] and state [R, Hv, dk, dv] are pools
+- `slots` [B] (int32/int64, optional): conv_state [S, R, C] and state [S', Hv, dk, dv] are pools
   and sequence b reads and updates conv slot slots[b] and state row slots[b]; without it, row b.
   `state_rows` = (read [B], write [B]) separates the state's rows: the MTP verify reads a sequence's state
   from one of its two buffers and writes the new one to the other, so the state before the step stays
@@ -20,22 +26,20 @@ Pools and several tokens (the CUDA-graph decode step and the MTP verify step):
   are sequence-major (row b*M + j is token j of sequence b). The M tokens are processed in order,
   exactly as M successive one-token steps (same roundings); the state stays in registers across
   them (read and written once), and the slot holds the values after all M tokens.
-- `step_records` [B, M-1, step_record_size(...)] fp32 and `step_conv` [B, M-1, K-1, C] (optional outputs):
-  for token j = 0..M-2, what its state update used (each key head's normalised k, each value head's
-  delta d and decay; 40 KB a layer on the 122B) and the conv window after it (oldest row first, as
-  conv_state holds it). A verify step that accepts only j+1 tokens rebuilds the state after token j from
-  the untouched state before the step (`gdn_replay`, the same float operations in the same order, so the
-  same bits) and restores the window. Saving whole states instead (4.2 MB a layer and position) cost the
-  122B's M = 3 verify 0.19 ms every step on an H100 (session 20).
+- `step_records` [B, M-1, step_record_size(...)] fp32 (optional output): for token j = 0..M-2, what its state
+  update used (each key head's normalised k, each value head's delta d and decay; 40 KB a layer on the 122B). A
+  verify step that accepts only j+1 tokens rebuilds the state after token j from the untouched state before the
+  step (`gdn_replay`, the same float operations in the same order, so the same bits). Saving whole states instead
+  (4.2 MB a layer and position) cost the 122B's M = 3 verify 0.19 ms every step on an H100 (session 20).
 
 Parallelism: the state is the bytes (122B: 64 heads x 128 x 128 fp32 = 4.2 MB read and written
 per layer), and fla's fused_recurrent kernel gives one program per head at T=1 (~4% of the
 bandwidth). Here program (v block, value head, sequence) owns BV columns of one head's state,
 so a layer runs Hv * dv/BV programs per sequence (512 at BV=16); each recomputes its key head's
-q/k conv and norms (256 channels, cheap). Two things need the whole head or key head: the
-RMSNorm over dv and the q/k conv-state update (other programs still read the old window). The
-last program of each (sequence, key head) to arrive (see _common.arrive) does both, reading the
-group's o vectors back from a small fp32 workspace.
+q/k conv and norms (256 channels, cheap); each program writes its own v channels' inputs to the ring, one program a
+key head the q/k channels'. The RMSNorm over dv needs the whole head: the last program of each (sequence, key head)
+to arrive (see _common.arrive) runs its heads' gated norms, reading the group's o vectors back from a small fp32
+workspace.
 
 Layouts: qkv [B*M, 2*Hk*dk + Hv*dv] ([q | k | v], as in_proj_qkv writes it; qkv, z, b and a may be column views of
 a merged projection's output, their rows strided), conv_weight
@@ -60,30 +64,31 @@ MAX_TOKENS = 5  # tokens per sequence in one step (1 decode token + up to 4 MTP 
 # bits differ from one-token steps' (gdn_replay redoes the verify's own updates from its records: unaffected).
 ONE_TOKEN_TILE = (16, 2)
 VERIFY_TILE = (32, 4)
-# Timing only (ab_step's timing-gdn-no-windows; wrong conv windows): no program moves or saves the conv windows, as
-# with a position-indexed ring of K-1+M rows, where the step's new rows land in rows no program of the step reads
-# and a rollback only moves the position back: the most such a ring could save (session 30).
-TIMING_NO_WINDOWS = False
-# Timing only (ab_step's timing-gdn-no-norm-round; wrong outputs and q/k windows): no arrival round, each program
+# Timing only (ab_step's timing-gdn-no-norm-round; wrong outputs): no arrival round, each program
 # writes its o as the output: what the kernel's gated norms and their round cost, wherever they would go instead.
 TIMING_NO_NORM_ROUND = False
 
 
-def _check_step_outputs(bsz, m, conv_state, state, num_k_heads, step_records, step_conv):
+def _check_inputs(bsz, m, conv_state, conv_weight, positions, state, num_k_heads, step_records):
+    """The ring's size and `positions` (both paths take them), and step_records' shape."""
+    kernel, ring = conv_weight.shape[-1], conv_state.shape[1]
+    if ring & (ring - 1) or ring < kernel - 1 + m:
+        raise ValueError(f"conv_state must be a ring of a power of two >= K-1 + M = {kernel - 1 + m} rows a slot "
+                         f"(conv_ring_rows), got {ring}")
+    if positions is None or positions.shape != (bsz * m,) or positions.dtype not in (torch.int32, torch.int64):
+        got = None if positions is None else f"{positions.dtype} {list(positions.shape)}"
+        raise ValueError(f"positions must be int32/int64 [{bsz * m}] (each row's absolute position), got {got}")
     if step_records is not None:
         hv, dk, dv = state.shape[1:]
         want = (bsz, m - 1, step_record_size(num_k_heads, dk, hv, dv))
         if tuple(step_records.shape) != want or step_records.dtype != torch.float32 or not step_records.is_contiguous():
             raise ValueError(f"step_records must be contiguous fp32 {list(want)}, got {list(step_records.shape)}")
-    if step_conv is not None:
-        want = (bsz, m - 1, *conv_state.shape[1:])
-        if tuple(step_conv.shape) != want or step_conv.dtype != conv_state.dtype or not step_conv.is_contiguous():
-            raise ValueError(f"step_conv must be contiguous {list(want)} in conv_state's dtype, got {list(step_conv.shape)}")
 
 
-def _one_step(qkv, z, b, a, window_hist, conv_weight, A_log, dt_bias, norm_weight, s, num_k_heads, eps):
+def _one_step(qkv, z, b, a, window_hist, conv_weight, A_log, dt_bias, norm_weight, s, num_k_heads, eps, defer=False):
     """One token per sequence: qkv [N, C], window_hist [N, K-1, C], s [N, Hv, dk, dv] fp32
-    -> (out [N, Hv*dv], new window [N, K-1, C], new state, its step record [N, record_size])."""
+    -> (out [N, Hv*dv], new window [N, K-1, C], new state, its step record [N, record_size], o's sum of squares per
+    head [N, Hv] or None); `defer`: out without the gated norm's rms (see gdn_decode)."""
     bsz, conv_dim = qkv.shape
     hv, dk, dv = s.shape[1:]
     key = num_k_heads * dk
@@ -107,53 +112,57 @@ def _one_step(qkv, z, b, a, window_hist, conv_weight, A_log, dt_bias, norm_weigh
     s = s + k[:, :, :, None] * delta[:, :, None, :]
     o = torch.einsum("bhkv,bhk->bhv", s, q)
     of = o.to(dtype).float()
-    normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    sumsq = of.pow(2).sum(-1) if defer else None
+    normed = of if defer else (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     gated = (norm_weight.float() * normed.float()).to(dtype).float() * F.silu(z.view(bsz, hv, dv).float())
     record = torch.cat([k_heads.reshape(bsz, -1), delta.reshape(bsz, -1), decay.float()], dim=1)
-    return gated.to(dtype).reshape(bsz, hv * dv), window[:, 1:], s, record
+    return gated.to(dtype).reshape(bsz, hv * dv), window[:, 1:], s, record, sumsq
 
 
 def gdn_decode_reference(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weight, state,
-                         num_k_heads: int, eps: float = 1e-6, *, slots=None, state_rows=None, tokens_per_seq: int = 1,
-                         step_records=None, step_conv=None) -> torch.Tensor:
+                         num_k_heads: int, eps: float = 1e-6, *, positions, slots=None, state_rows=None,
+                         tokens_per_seq: int = 1, step_records=None, defer_norm: bool = False):
     """The same step in plain PyTorch (fp32 math, the model's roundings), M tokens as M one-token steps;
-    updates conv_state and state (rows `slots`, or 0..B-1; the state's rows `state_rows`) in place and fills the
-    optional step outputs."""
+    updates the conv rings and state (rows `slots`, or 0..B-1; the state's rows `state_rows`) in place and fills
+    step_records if given. `defer_norm`: (out, parts [B*M, Hv, 1]) as gdn_decode's (one block a head)."""
     m = tokens_per_seq
     n, conv_dim = qkv.shape
     if m < 1 or n % m:
         raise ValueError(f"{n} rows are not B sequences x {m} tokens")
     bsz = n // m
-    _check_step_outputs(bsz, m, conv_state, state, num_k_heads, step_records, step_conv)
+    _check_inputs(bsz, m, conv_state, conv_weight, positions, state, num_k_heads, step_records)
     rows = torch.arange(bsz, device=qkv.device) if slots is None else slots.long()
     read, write = (rows, rows) if state_rows is None else (r.long() for r in state_rows)
-    hist, s = conv_state[rows], state[read]
+    ring, history = conv_state.shape[1], conv_weight.shape[-1] - 1
+    first = positions.view(bsz, m)[:, :1].long()
+    hist = conv_state[rows[:, None], (first + torch.arange(-history, 0, device=qkv.device)) % ring]
+    s = state[read]
     qkv3, z3, b3, a3 = (t.reshape(bsz, m, -1) for t in (qkv, z, b, a))
-    outs = []
+    outs, sums = [], []
     for j in range(m):
-        o, hist, s, record = _one_step(qkv3[:, j], z3[:, j], b3[:, j], a3[:, j], hist, conv_weight, A_log, dt_bias,
-                                       norm_weight, s, num_k_heads, eps)
+        o, hist, s, record, sumsq = _one_step(qkv3[:, j], z3[:, j], b3[:, j], a3[:, j], hist, conv_weight, A_log,
+                                              dt_bias, norm_weight, s, num_k_heads, eps, defer_norm)
         outs.append(o)
+        sums.append(sumsq)
         if j < m - 1 and step_records is not None:
             step_records[:, j] = record
-        if j < m - 1 and step_conv is not None:
-            step_conv[:, j] = hist
-    conv_state[rows] = hist
+    conv_state[rows[:, None], (first + torch.arange(m, device=qkv.device)) % ring] = qkv3
     state[write] = s
-    return torch.stack(outs, 1).reshape(n, -1)
+    out = torch.stack(outs, 1).reshape(n, -1)
+    return (out, torch.stack(sums, 1).reshape(n, -1, 1)) if defer_norm else out
 
 
 @triton.jit
-def _conv_silu(qkv_row, hist_ptr, w_ptr, c, cmask, C, QS, J: tl.constexpr, KERNEL: tl.constexpr,
-               CONV_TY: tl.constexpr, OUT_TY: tl.constexpr):
-    """silu(depthwise causal conv) of channels c for token J of the step, with the model's roundings.
-
-    The inputs are ext = [K-1 cached rows | the step's tokens]; token J's window is ext[J : J+K].
-    `qkv_row` points at the sequence's token 0 (rows QS apart; cached rows C apart)."""
+def _conv_silu(qkv_row, ring_ptr, w_ptr, c, cmask, C, QS, first, J: tl.constexpr, KERNEL: tl.constexpr,
+               RING: tl.constexpr, CONV_TY: tl.constexpr, OUT_TY: tl.constexpr):
+    """silu(depthwise causal conv) of channels c for token J of the step (position first + J), with the model's
+    roundings. Inputs before the step come from the ring (position p in row p mod RING), the step's own from qkv;
+    `qkv_row` points at the sequence's token 0 (rows QS apart; ring rows C apart)."""
     acc = tl.zeros(c.shape, dtype=tl.float32)
     for i in tl.static_range(KERNEL):
         if J + i < KERNEL - 1:
-            x = tl.load(hist_ptr + (J + i) * C + c, mask=cmask, other=0).to(tl.float32)
+            row = (first + (J + i - (KERNEL - 1))) & (RING - 1)
+            x = tl.load(ring_ptr + row * C + c, mask=cmask, other=0).to(tl.float32)
         else:
             x = tl.load(qkv_row + (J + i - (KERNEL - 1)) * QS + c, mask=cmask, other=0).to(tl.float32)
         acc += x * tl.load(w_ptr + c * KERNEL + i, mask=cmask, other=0).to(tl.float32)
@@ -162,32 +171,12 @@ def _conv_silu(qkv_row, hist_ptr, w_ptr, c, cmask, C, QS, J: tl.constexpr, KERNE
 
 
 @triton.jit
-def _window_row(qkv_row, hist_ptr, c, cmask, C, QS, E: tl.constexpr, KERNEL: tl.constexpr):
-    """ext[E] of channels c (ext = [K-1 cached rows | the step's tokens]), in the storage dtype."""
-    if E < KERNEL - 1:
-        x = tl.load(hist_ptr + E * C + c, mask=cmask)
-    else:
-        x = tl.load(qkv_row + (E - (KERNEL - 1)) * QS + c, mask=cmask)
-    return x
-
-
-@triton.jit
-def _save_windows(qkv_row, hist_ptr, sconv_ptr, c, cmask, C, QS, M: tl.constexpr, KERNEL: tl.constexpr):
-    """step_conv[j] <- ext[j+1 : j+K] for j < M-1 (before the cached rows change)."""
-    for j in tl.static_range(M - 1):
-        for i in tl.static_range(KERNEL - 1):
-            x = _window_row(qkv_row, hist_ptr, c, cmask, C, QS, j + 1 + i, KERNEL)
-            tl.store(sconv_ptr + (j * (KERNEL - 1) + i) * C + c, x, mask=cmask)
-
-
-@triton.jit
-def _shift_window(qkv_row, hist_ptr, c, cmask, C, QS, M: tl.constexpr, KERNEL: tl.constexpr):
-    """conv_state rows <- ext[M : M+K-1]: the last K-1 inputs after the step's M tokens.
-
-    Row i reads row i+M (> i) before that row is written; each thread stores only what it loaded."""
-    for i in tl.static_range(KERNEL - 1):
-        x = _window_row(qkv_row, hist_ptr, c, cmask, C, QS, M + i, KERNEL)
-        tl.store(hist_ptr + i * C + c, x, mask=cmask)
+def _ring_store(qkv_row, ring_ptr, c, cmask, C, QS, first, M: tl.constexpr, RING: tl.constexpr):
+    """The step's M inputs of channels c to their ring rows (positions first .. first + M - 1). No program of the
+    step reads those rows: the ring has at least K-1 + M of them."""
+    for j in tl.static_range(M):
+        x = tl.load(qkv_row + j * QS + c, mask=cmask)
+        tl.store(ring_ptr + ((first + j) & (RING - 1)) * C + c, x, mask=cmask)
 
 
 @triton.jit
@@ -215,12 +204,12 @@ def _rank_one_update(s, k, d):
 @triton.jit
 def _gdn_decode_kernel(
     qkv_ptr, z_ptr, b_ptr, a_ptr, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, nw_ptr, state_ptr, out_ptr, o_ws, cnt_ptr,
-    slot_ptr, rin_ptr, rout_ptr, srec_ptr, sconv_ptr,
+    pos_ptr, slot_ptr, rin_ptr, rout_ptr, srec_ptr,
     C, KEY, HV, HK, DK, DV, eps, QS, ZS, BS, AS, REC,
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
-    NVB, KERNEL: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, SAVE_CONV: tl.constexpr, WINDOWS: tl.constexpr = True,
-    NORM_ROUND: tl.constexpr = True, PDL: tl.constexpr = False,
+    NVB, KERNEL: tl.constexpr, RING: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, NORM_ROUND: tl.constexpr = True,
+    parts_ptr=None, DEFER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     vb = tl.program_id(0)
     h = tl.program_id(1)
@@ -236,7 +225,8 @@ def _gdn_decode_kernel(
         row_in = slot
         row_out = slot
     qkv_row = qkv_ptr + (bi * M).to(tl.int64) * QS  # token 0 of this sequence (rows QS apart: z, b, a by theirs)
-    hist = conv_ptr + slot * (KERNEL - 1) * C
+    ring = conv_ptr + slot * RING * C
+    first = tl.load(pos_ptr + bi * M).to(tl.int64)  # token 0's position
     dk = tl.arange(0, BDK)
     dmask = dk < DK
     vv = vb * BV + tl.arange(0, BV)
@@ -254,12 +244,14 @@ def _gdn_decode_kernel(
     s = tl.load(s_ptrs, mask=smask, other=0)
     decay_scale = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
+    if DEFER:
+        nw = tl.load(nw_ptr + vv, mask=vmask, other=0).to(tl.float32)
     wait_for_inputs(PDL)  # qkv, z, b and a come from the projections
     for j in tl.static_range(M):
         tok = bi * M + j
-        q = _conv_silu(qkv_row, hist, convw_ptr, cq, dmask, C, QS, j, KERNEL, CONV_TY, ty)
-        k = _conv_silu(qkv_row, hist, convw_ptr, ck, dmask, C, QS, j, KERNEL, CONV_TY, ty)
-        v = _conv_silu(qkv_row, hist, convw_ptr, cv, vmask, C, QS, j, KERNEL, CONV_TY, ty)
+        q = _conv_silu(qkv_row, ring, convw_ptr, cq, dmask, C, QS, first, j, KERNEL, RING, CONV_TY, ty)
+        k = _conv_silu(qkv_row, ring, convw_ptr, ck, dmask, C, QS, first, j, KERNEL, RING, CONV_TY, ty)
+        v = _conv_silu(qkv_row, ring, convw_ptr, cv, vmask, C, QS, first, j, KERNEL, RING, CONV_TY, ty)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * (1.0 / tl.sqrt(DK.to(tl.float32)))
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         bv = tl.load(b_ptr + tok * BS + h).to(tl.float32)
@@ -272,7 +264,13 @@ def _gdn_decode_kernel(
         d = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = _rank_one_update(s, k, d)
         o = tl.sum(s * q[:, None], axis=0)
-        if NORM_ROUND:
+        if DEFER:  # the gated norm without its rms: w * o * silu(z), and o's sum of squares over this block
+            of = o.to(ty).to(tl.float32)
+            tl.store(parts_ptr + (tok * HV + h) * NVB + vb, tl.sum(of * of, axis=0))
+            zz = tl.load(z_ptr + tok * ZS + h * DV + vv, mask=vmask, other=0).to(tl.float32)
+            gated = (nw * of).to(ty).to(tl.float32) * (zz / (1.0 + tl.exp(-zz)))
+            tl.store(out_ptr + (tok * HV + h) * DV + vv, gated.to(ty), mask=vmask)
+        elif NORM_ROUND:
             tl.store(o_ws + (tok * HV + h) * DV + vv, o, mask=vmask)
         else:  # timing only: o itself as the output
             tl.store(out_ptr + (tok * HV + h) * DV + vv, o.to(ty), mask=vmask)
@@ -285,22 +283,15 @@ def _gdn_decode_kernel(
                     tl.store(rec + HK * DK + HV * DV + h, decay)
                 tl.store(rec + HK * DK + h * DV + vv, d, mask=vmask)
     tl.store(state_ptr + row_out * HV * DK * DV + tile, s, mask=smask)
-    sconv = sconv_ptr + (bi * (M - 1)).to(tl.int64) * (KERNEL - 1) * C
-    if WINDOWS:
-        if SAVE_CONV:
-            _save_windows(qkv_row, hist, sconv, cv, vmask, C, QS, M, KERNEL)
-        _shift_window(qkv_row, hist, cv, vmask, C, QS, M, KERNEL)  # this program's own v channels
+    _ring_store(qkv_row, ring, cv, vmask, C, QS, first, M, RING)  # this program's own v channels
+    if vb == 0:
+        if h % GROUP == 0:  # one program a key head: its q/k channels
+            _ring_store(qkv_row, ring, cq, dmask, C, QS, first, M, RING)
+            _ring_store(qkv_row, ring, ck, dmask, C, QS, first, M, RING)
 
-    if NORM_ROUND:
+    if NORM_ROUND and not DEFER:
         cnt = cnt_ptr + bi * HK + kh
         if arrive(cnt, GROUP * NVB):
-            # every program of this key head has read the old window and written its o
-            if WINDOWS:
-                if SAVE_CONV:
-                    _save_windows(qkv_row, hist, sconv, cq, dmask, C, QS, M, KERNEL)
-                    _save_windows(qkv_row, hist, sconv, ck, dmask, C, QS, M, KERNEL)
-                _shift_window(qkv_row, hist, cq, dmask, C, QS, M, KERNEL)
-                _shift_window(qkv_row, hist, ck, dmask, C, QS, M, KERNEL)
             # the group's heads' gated norms, from the o vectors its programs wrote
             gi = tl.arange(0, GROUPP)
             dv = tl.arange(0, BDV)[None, :]
@@ -317,12 +308,17 @@ _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl
 
 
 def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, num_k_heads: int,
-               eps: float = 1e-6, *, slots=None, state_rows=None, tokens_per_seq: int = 1, step_records=None,
-               step_conv=None, out=None, block_v: int | None = None, num_warps: int | None = None,
-               counters=None) -> torch.Tensor:
-    """One fused GDN decode step of M = tokens_per_seq tokens per sequence (see the module docstring);
-    updates conv_state and state (rows `slots`, or 0..B-1; the state's `state_rows` = (read, write)) in place
-    -> [B*M, Hv*dv]."""
+               eps: float = 1e-6, *, positions, slots=None, state_rows=None, tokens_per_seq: int = 1,
+               step_records=None, out=None, block_v: int | None = None, num_warps: int | None = None,
+               counters=None, defer_norm: bool = False):
+    """One fused GDN decode step of M = tokens_per_seq tokens per sequence at `positions` (see the module
+    docstring); updates the conv rings and state (rows `slots`, or 0..B-1; the state's `state_rows` = (read,
+    write)) in place -> [B*M, Hv*dv].
+
+    `defer_norm` -> (out, parts): out is the gated norm without its rms, w * o * silu(z) (o and w * o rounded to the
+    model's dtype as the norm rounds its terms), and parts [B*M, Hv, blocks] fp32 each v block's sum of o^2 (o
+    rounded): its reader finishes the norm (int4_tc's `head_norm`). No arrival round: each program's work ends with
+    its own stores."""
     m = tokens_per_seq
     n, conv_dim = qkv.shape
     hv, dk, dv = state.shape[1:]
@@ -330,7 +326,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         raise ValueError(f"gdn_decode takes 1..{MAX_TOKENS} tokens per sequence; {n} rows, tokens_per_seq={m}")
     bsz = n // m
     if state.dtype != torch.float32 or not state.is_contiguous() or not conv_state.is_contiguous():
-        raise ValueError("state must be contiguous fp32 [S, Hv, dk, dv]; conv_state contiguous [S, K-1, C]")
+        raise ValueError("state must be contiguous fp32 [S, Hv, dk, dv]; conv_state a contiguous ring [S, R, C]")
     if hv % num_k_heads:
         raise ValueError(f"{hv} value heads do not divide into {num_k_heads} key heads")
     if slots is None and (state.shape[0] < bsz or conv_state.shape[0] < bsz):
@@ -339,13 +335,11 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         if rows is not None and (rows.shape != (bsz,) or rows.dtype not in (torch.int32, torch.int64)):
             raise ValueError(f"{name} must be int32/int64 [{bsz}], got {rows.dtype} {list(rows.shape)}")
     if state_rows is not None and slots is None:
-        raise ValueError("state_rows need slots (the conv windows' rows)")
-    _check_step_outputs(bsz, m, conv_state, state, num_k_heads, step_records, step_conv)
-    # the conv windows' rows, then the state's read and write rows (all unread without slots: any pointer)
-    rows = (slots, *(state_rows or (slots, slots))) if slots is not None else (state,) * 3
+        raise ValueError("state_rows need slots (the conv rings' rows)")
+    _check_inputs(bsz, m, conv_state, conv_weight, positions, state, num_k_heads, step_records)
+    # the conv rings' rows, then the state's read and write rows (all unread without slots: any pointer)
+    rows = (slots, *(state_rows or (slots, slots))) if slots is not None else (positions,) * 3
     save_steps = step_records is not None and m > 1
-    save_conv = step_conv is not None and m > 1
-    kernel = conv_state.shape[1] + 1
     group = hv // num_k_heads
     # 512 programs per sequence at 122B shapes (256 for a verify step); the interpreter runs programs one after
     # another, so there one V block per head (the split-V path is tested with an explicit block_v); either way every
@@ -357,19 +351,21 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     if out is None:
         out = torch.empty(n, hv * dv, dtype=qkv.dtype, device=qkv.device)
     o_ws = torch.empty(n, hv, dv, dtype=torch.float32, device=qkv.device)
+    parts = torch.empty(n, hv, nvb, dtype=torch.float32, device=qkv.device) if defer_norm else None
     cnt = counters if counters is not None else counters_for("gdn_decode", bsz * num_k_heads, qkv.device)
     (qkv, qs), (z, zs), (b, bs), (a, as_) = (rows_in_place(t) for t in (qkv, z, b, a))
     _gdn_decode_kernel[(nvb, hv, bsz)](
         qkv, z, b, a, conv_state, conv_weight.contiguous(),
         A_log, dt_bias, norm_weight, state, out, o_ws, cnt,
-        *rows, step_records if save_steps else state, step_conv if save_conv else conv_state,
+        positions, *rows, step_records if save_steps else state,
         conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_, step_record_size(num_k_heads, dk, hv, dv),
-        GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb, KERNEL=kernel,
-        CONV_TY=_TL[conv_weight.dtype], M=m, HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps,
-        SAVE_CONV=save_conv, WINDOWS=not TIMING_NO_WINDOWS, NORM_ROUND=not TIMING_NO_NORM_ROUND,
+        GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb,
+        KERNEL=conv_weight.shape[-1], RING=conv_state.shape[1], CONV_TY=_TL[conv_weight.dtype], M=m,
+        HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps, NORM_ROUND=not TIMING_NO_NORM_ROUND,
+        parts_ptr=parts, DEFER=defer_norm,
         num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
     )
-    return out
+    return (out, parts) if defer_norm else out
 
 
 @triton.jit(do_not_specialize=["row_in", "row_out", "first_record", "kept"])

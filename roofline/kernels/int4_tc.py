@@ -261,12 +261,46 @@ def _load_x(xp, mask):
 
 
 @triton.jit
+def _head_parts(row_ptr, grp, mask, gs_hg, ON: tl.constexpr, GS_NVB: tl.constexpr):
+    """The partial sums of squares of the head holding group grp ([L, 1]; gs_hg groups a head) in the token rows at
+    row_ptr ([L, 1]: each lane's row of gdn_decode(defer_norm=True)'s [rows, heads, GS_NVB] fp32), added into [L, 4]
+    (the weights' tile shape, so Triton keeps the asm operands' layout: an [L, 8] load moved them off it); 0.0 when
+    not ON."""
+    if ON:
+        v = tl.arange(0, 4)[None, :]
+        base = row_ptr + (grp // gs_hg) * GS_NVB
+        parts = tl.load(base + v, mask=mask & (v < GS_NVB), other=0.0)
+        for c in tl.static_range(4, GS_NVB, 4):
+            parts += tl.load(base + c + v, mask=mask, other=0.0)
+        return parts
+    else:
+        return 0.0
+
+
+@triton.jit
+def _rstd(parts, gs_dv, gs_eps):
+    return tl.rsqrt(tl.sum(parts, axis=1)[:, None] / gs_dv + gs_eps)
+
+
+@triton.jit
 def _step_math(q0, q1, q2, q3, s, u0, u1, u2, u3, su, x0, x1, x2, x3, grp, qz_ptr, col, col2, N, y0, y1, w0, w1,
                MB: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr, L: tl.constexpr,
-               EMULATE: tl.constexpr):
-    """One k-step (group grp of each warp row) into (y0, y1) and with DUAL the up half into (w0, w1)."""
-    y0, y1 = _group_math(q0, q1, q2, q3, x0, x1, x2, x3, s.to(tl.float32), _neg_bias(grp, qz_ptr, col, N, MB, SYM),
-                         y0, y1, MB, BF16, L, EMULATE)
+               EMULATE: tl.constexpr, p0=0.0, p1=0.0, gs_dv=1, gs_eps=0.0, GS: tl.constexpr = 0):
+    """One k-step (group grp of each warp row) into (y0, y1) and with DUAL the up half into (w0, w1). With GS each
+    token row's products are scaled by its head's rstd from the parts p0 (rows 2t) and p1 (rows 2t + 1, GS == 2;
+    `_head_parts`): one row folds it into the scale, several rows take the group's products apart first."""
+    s = s.to(tl.float32)
+    nb = _neg_bias(grp, qz_ptr, col, N, MB, SYM)
+    if GS == 1:
+        y0, y1 = _group_math(q0, q1, q2, q3, x0, x1, x2, x3, s * _rstd(p0, gs_dv, gs_eps), nb, y0, y1, MB, BF16, L,
+                             EMULATE)
+    elif GS == 2:
+        g0, g1 = _group_math(q0, q1, q2, q3, x0, x1, x2, x3, s, nb, tl.zeros_like(y0), tl.zeros_like(y1), MB, BF16, L,
+                             EMULATE)
+        y0 += g0 * _rstd(p0, gs_dv, gs_eps)
+        y1 += g1 * _rstd(p1, gs_dv, gs_eps)
+    else:
+        y0, y1 = _group_math(q0, q1, q2, q3, x0, x1, x2, x3, s, nb, y0, y1, MB, BF16, L, EMULATE)
     if DUAL:
         w0, w1 = _group_math(u0, u1, u2, u3, x0, x1, x2, x3, su.to(tl.float32),
                              _neg_bias(grp, qz_ptr, col + col2, N, MB, SYM), w0, w1, MB, BF16, L, EMULATE)
@@ -276,28 +310,36 @@ def _step_math(q0, q1, q2, q3, s, u0, u1, u2, u3, su, x0, x1, x2, x3, grp, qz_pt
 @triton.jit
 def _steps_one_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP: tl.constexpr, g_start, g_end, kw, qz_ptr, col, N,
                      y0, y1, u0, u1, MB: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
-                     L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr):
+                     L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr,
+                     gs0=None, gs1=None, gs_hg=1, gs_dv=1, gs_eps=0.0, GS: tl.constexpr = 0,
+                     GS_NVB: tl.constexpr = 1):
     """tc_groups' loop with DEPTH=1: one register buffer; the next step's weights and x load during this step's math."""
     ga = g_start + kw
     q0, q1, q2_, q3, s, v0, v1, v2, v3, sv = _load_weights(qp, sp, q2, col2, R4, ga < g_end, DUAL)
     wait_for_inputs(PDL)  # the first step's weights are in flight; x comes from the previous kernel
     x0, x1, x2, x3 = _load_x(xp, ga < g_end)
+    p0 = _head_parts(gs0, ga, ga < g_end, gs_hg, GS > 0, GS_NVB)
+    p1 = _head_parts(gs1, ga, ga < g_end, gs_hg, GS > 1, GS_NVB)
     for g0 in range(g_start, g_end, KW):
         ga = g0 + kw
         y0, y1, u0, u1 = _step_math(q0, q1, q2_, q3, s, v0, v1, v2, v3, sv, x0, x1, x2, x3, ga, qz_ptr, col, col2, N,
-                                    y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE)
+                                    y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, p0, p1, gs_dv, gs_eps, GS)
         qp += QSTEP
         sp += SSTEP
         xp += XSTEP
         q0, q1, q2_, q3, s, v0, v1, v2, v3, sv = _load_weights(qp, sp, q2, col2, R4, ga + KW < g_end, DUAL)
         x0, x1, x2, x3 = _load_x(xp, ga + KW < g_end)
+        p0 = _head_parts(gs0, ga + KW, ga + KW < g_end, gs_hg, GS > 0, GS_NVB)
+        p1 = _head_parts(gs1, ga + KW, ga + KW < g_end, gs_hg, GS > 1, GS_NVB)
     return y0, y1, u0, u1
 
 
 @triton.jit
 def _steps_two_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP: tl.constexpr, g_start, g_end, kw, qz_ptr, col, N,
                      y0, y1, u0, u1, MB: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
-                     L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr):
+                     L: tl.constexpr, EMULATE: tl.constexpr, KW: tl.constexpr, PDL: tl.constexpr,
+                     gs0=None, gs1=None, gs_hg=1, gs_dv=1, gs_eps=0.0, GS: tl.constexpr = 0,
+                     GS_NVB: tl.constexpr = 1):
     """tc_groups' loop with DEPTH=2: two register buffers A and B, each refilled two steps ahead (see tc_groups)."""
     grp = g_start + kw  # [L, 1] group of each warp row in the first step
     qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua = _load_weights(qp, sp, q2, col2, R4, grp < g_end, DUAL)
@@ -305,19 +347,27 @@ def _steps_two_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP: tl.constexpr
                                                                     grp + KW < g_end, DUAL)
     wait_for_inputs(PDL)  # the first steps' weights are in flight; x comes from the previous kernel
     xa0, xa1, xa2, xa3 = _load_x(xp, grp < g_end)
+    pa0 = _head_parts(gs0, grp, grp < g_end, gs_hg, GS > 0, GS_NVB)
+    pa1 = _head_parts(gs1, grp, grp < g_end, gs_hg, GS > 1, GS_NVB)
     for g0 in range(g_start, g_end, 2 * KW):
         ga = g0 + kw  # [L, 1] group of each warp row in buffer A's step; B's is + KW
         # buffer A (step g0, always present): x of the next step, the math, the buffer refilled two steps ahead
         xb0, xb1, xb2, xb3 = _load_x(xp + XSTEP, ga + KW < g_end)
+        pb0 = _head_parts(gs0, ga + KW, ga + KW < g_end, gs_hg, GS > 0, GS_NVB)
+        pb1 = _head_parts(gs1, ga + KW, ga + KW < g_end, gs_hg, GS > 1, GS_NVB)
         y0, y1, u0, u1 = _step_math(qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua, xa0, xa1, xa2, xa3, ga, qz_ptr,
-                                    col, col2, N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE)
+                                    col, col2, N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, pa0, pa1, gs_dv,
+                                    gs_eps, GS)
         qa0, qa1, qa2, qa3, sa, ua0, ua1, ua2, ua3, sua = _load_weights(qp + 2 * QSTEP, sp + 2 * SSTEP, q2, col2, R4,
                                                                         ga + 2 * KW < g_end, DUAL)
         # buffer B (step g0 + KW)
         xa0, xa1, xa2, xa3 = _load_x(xp + 2 * XSTEP, ga + 2 * KW < g_end)
+        pa0 = _head_parts(gs0, ga + 2 * KW, ga + 2 * KW < g_end, gs_hg, GS > 0, GS_NVB)
+        pa1 = _head_parts(gs1, ga + 2 * KW, ga + 2 * KW < g_end, gs_hg, GS > 1, GS_NVB)
         if g0 + KW < g_end:
             y0, y1, u0, u1 = _step_math(qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub, xb0, xb1, xb2, xb3, ga + KW,
-                                        qz_ptr, col, col2, N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE)
+                                        qz_ptr, col, col2, N, y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, pb0,
+                                        pb1, gs_dv, gs_eps, GS)
         qb0, qb1, qb2, qb3, sb, ub0, ub1, ub2, ub3, sub = _load_weights(qp + 3 * QSTEP, sp + 3 * SSTEP, q2, col2, R4,
                                                                         ga + 3 * KW < g_end, DUAL)
         qp += 2 * QSTEP
@@ -331,6 +381,7 @@ def tc_groups(
     x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, col2, N, g_start, g_end,
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr, DUAL: tl.constexpr,
     EMULATE: tl.constexpr, GROUPS=1, QBLK: tl.constexpr = False, PDL: tl.constexpr = False, DEPTH: tl.constexpr = 2,
+    gs_ptr=None, gs_rows=1, gs_hg=1, gs_dv=1, gs_eps=0.0, GS: tl.constexpr = 0, GS_NVB: tl.constexpr = 1,
 ):
     """Partial products over quantisation groups [g_start, g_end) for up to 8 token rows.
 
@@ -361,6 +412,11 @@ def tc_groups(
     ahead: fewer registers a program, so more programs fit per SM, like the loads-only probe that read
     in_proj_qkv at 0.72 of copy with ~6 small programs per SM and one step in flight (NOTES-kernels run 10c).
     Run 11b: faster at one row with 6 programs per SM, slower at four; run 12: -2% on the 122B step (see `INT4_DEPTH`).
+
+    GS (1: one token row, 2: several): each token row's products of a group are scaled by the rstd of the GDN head
+    that holds the group, summed from the partial sums of squares at gs_ptr ([gs_rows, heads, GS_NVB], gs_hg groups a
+    head, gs_dv values a head, loaded with each step's x): the gated norm's rms that gdn_decode(defer_norm=True)
+    leaves to its out projection.
     """
     MB: tl.constexpr = 128.0 if BF16 else 1024.0
     L: tl.constexpr = 32 * WN * KW
@@ -387,12 +443,20 @@ def tc_groups(
     y1 = tl.zeros([L, 4], dtype=tl.float32)
     u0 = tl.zeros([L, 4], dtype=tl.float32)
     u1 = tl.zeros([L, 4], dtype=tl.float32)
+    gs0 = gs_ptr  # each lane's parts rows: tokens 2t (y0) and 2t + 1 (y1), absent ones on the last row
+    gs1 = gs_ptr
+    if GS == 2:
+        row = (GROUPS // gs_hg) * GS_NVB
+        gs0 = gs_ptr + tl.minimum(2 * t, gs_rows - 1) * row
+        gs1 = gs_ptr + tl.minimum(2 * t + 1, gs_rows - 1) * row
     if DEPTH == 1:
         return _steps_one_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP, g_start, g_end, kw, qz_ptr, col, N,
-                                y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL)
+                                y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL,
+                                gs0, gs1, gs_hg, gs_dv, gs_eps, GS, GS_NVB)
     else:
         return _steps_two_ahead(qp, sp, xp, q2, col2, R4, QSTEP, SSTEP, XSTEP, g_start, g_end, kw, qz_ptr, col, N,
-                                y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL)
+                                y0, y1, u0, u1, MB, SYM, BF16, DUAL, L, EMULATE, KW, PDL,
+                                gs0, gs1, gs_hg, gs_dv, gs_eps, GS, GS_NVB)
 
 
 @triton.jit
@@ -419,6 +483,7 @@ def _gemv_tc_kernel(
     WN: tl.constexpr, KW: tl.constexpr, SYM: tl.constexpr, BF16: tl.constexpr,
     SPLIT_K, SPLITP: tl.constexpr, EMULATE: tl.constexpr, QBLK: tl.constexpr = False, PDL: tl.constexpr = False,
     DEPTH: tl.constexpr = 2, res_ptr=None, ss_ptr=None, RESIDUAL: tl.constexpr = False, ONE_ROW: tl.constexpr = False,
+    gs_ptr=None, gs_hg=1, gs_dv=1, gs_eps=0.0, GS: tl.constexpr = 0, GS_NVB: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -428,7 +493,8 @@ def _gemv_tc_kernel(
     g_start = pid_k * GPS
     g_end = tl.minimum(g_start + GPS, GROUPS)
     y0, y1, _, _ = tc_groups(x32_ptr, xrow, qw_ptr, sc_ptr, qz_ptr, colbase, 0, N, g_start, g_end,
-                             WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, PDL, DEPTH)
+                             WN, KW, SYM, BF16, False, EMULATE, GROUPS, QBLK, PDL, DEPTH,
+                             gs_ptr, M, gs_hg, gs_dv, gs_eps, GS, GS_NVB)
     y0 = sum_warp_rows(y0, WN, KW)
     y1 = sum_warp_rows(y1, WN, KW)
     tok, col = out_index(colbase, WN)
@@ -590,10 +656,11 @@ def tc_geometry(n: int, k: int, cfg: dict, device, tiles_extra: int = 1) -> tupl
 
 
 def int4_matmul_residual(x: torch.Tensor, qweight, qzeros, scales, residual: torch.Tensor, *, sym: bool,
-                         config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         config: dict | None = None, head_norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, sumsq): h = residual + x @ W^T (the decoder layer's add after its mixer's out projection, each rounded to
     x's dtype) and sumsq [column tiles, MAX_ROWS] fp32, each tile's sum of h^2 per row, from which the next GEMVs
-    norm h on the fly (fp8_gemv.NormOnLoad). The tensor-core path only (`tc_supported`), else ValueError."""
+    norm h on the fly (fp8_gemv.NormOnLoad). The tensor-core path only (`tc_supported`), else ValueError.
+    `head_norm` = (parts, eps): see int4_matmul_tc."""
     k = qweight.shape[0] * 8
     n = qweight.shape[1]
     x2, lead = decode_rows(x, k, "int4_matmul_residual")
@@ -607,18 +674,37 @@ def int4_matmul_residual(x: torch.Tensor, qweight, qzeros, scales, residual: tor
     if res.dtype != x.dtype or not res.is_contiguous():
         raise ValueError(f"int4_matmul_residual: the residual must be contiguous {x.dtype} [{x2.shape[0]}, {n}]")
     sumsq = torch.empty(n // (32 * cfg["WN"]), MAX_ROWS, dtype=torch.float32, device=x.device)
-    h = int4_matmul_tc(x, qweight, qzeros, scales, sym=sym, config=cfg, epilogue=(res, sumsq))
+    h = int4_matmul_tc(x, qweight, qzeros, scales, sym=sym, config=cfg, epilogue=(res, sumsq), head_norm=head_norm)
     return h, sumsq
 
 
+def head_norm_args(head_norm: tuple | None, m: int, k: int) -> dict:
+    """The kernel arguments of `head_norm` = (parts, eps) for a GEMV of m rows over K = k (see int4_matmul_tc)."""
+    if head_norm is None:
+        return {}
+    parts, eps = head_norm
+    heads, nvb = (parts.shape[1], parts.shape[2]) if parts.dim() == 3 else (0, 0)
+    dv = k // heads if heads else 0
+    if (parts.dim() != 3 or parts.shape[0] != m or parts.dtype != torch.float32 or not parts.is_contiguous()
+            or heads * dv != k or dv % GROUP or nvb & (nvb - 1)):
+        raise ValueError(f"head_norm: parts must be contiguous fp32 [{m} rows, heads, blocks] (a power of two blocks, "
+                         f"heads of a multiple of {GROUP} values, {k} in all); got {parts.dtype} {list(parts.shape)}")
+    return dict(gs_ptr=parts, gs_hg=dv // GROUP, gs_dv=dv, gs_eps=eps, GS=1 if m == 1 else 2, GS_NVB=nvb)
+
+
 def int4_matmul_tc(x: torch.Tensor, qweight, qzeros, scales, *, sym: bool, out=None, config: dict | None = None,
-                   counters: torch.Tensor | None = None, epilogue: tuple | None = None) -> torch.Tensor:
+                   counters: torch.Tensor | None = None, epilogue: tuple | None = None,
+                   head_norm: tuple | None = None) -> torch.Tensor:
     """y = x @ W^T on the tensor-core path (see tc_supported); x [..., K] with 1..4 rows. `epilogue` = (residual,
-    sumsq): see int4_matmul_residual."""
+    sumsq): see int4_matmul_residual. `head_norm` = (parts, eps): x is a GDN layer's gated output with each head's
+    rms left out (gdn_decode(defer_norm=True)), parts [rows, heads, blocks] fp32 its partial sums of squares; each
+    row's products of a quantisation group are scaled by rsqrt(mean over its head + eps), so y = (x * rstd of each
+    value's row and head) @ W^T, the norm finished where its output is read."""
     k = qweight.shape[0] * 8
     n = qweight.shape[1]
     x2, lead = decode_rows(x, k, "int4_matmul")
     m = x2.shape[0]
+    norm_args = head_norm_args(head_norm, m, k)
     cfg = default_tc_config(m, n, k)
     cfg.update(config or {})
     tiles, split, gps = tc_geometry(n, k, cfg, x.device)
@@ -633,7 +719,7 @@ def int4_matmul_tc(x: torch.Tensor, qweight, qzeros, scales, *, sym: bool, out=N
         QBLK=bool(cfg.get("qblk")), DEPTH=cfg.get("depth", 2), num_warps=cfg["WN"] * cfg["KW"], num_stages=1,
         **launch_options(cfg), **pdl_options(x.device),
         **({} if epilogue is None else dict(res_ptr=epilogue[0], ss_ptr=epilogue[1], RESIDUAL=True)),
-        ONE_ROW=m == 1 and ONE_ROW_FLAT_SUM,
+        ONE_ROW=m == 1 and ONE_ROW_FLAT_SUM, **norm_args,
     )
     return out.reshape(*lead, n)
 
@@ -799,7 +885,8 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
                 "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K2": "i32", "GROUPS": "i32", "GPS": "i32", "WN": "constexpr",
                 "KW": "constexpr", "SYM": "constexpr", "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr",
                 "EMULATE": "constexpr", "QBLK": "constexpr", "PDL": "constexpr", "DEPTH": "constexpr", "res_ptr": "*bf16",
-                "ss_ptr": "*fp32", "RESIDUAL": "constexpr", "ONE_ROW": "constexpr"}
+                "ss_ptr": "*fp32", "RESIDUAL": "constexpr", "ONE_ROW": "constexpr", "gs_ptr": "*fp32", "gs_hg": "i32",
+                "gs_dv": "i32", "gs_eps": "fp32", "GS": "constexpr", "GS_NVB": "constexpr"}
     expert_common = {"T": "i32", "GROUPS": "i32", "GPS": "i32", "QW_E": "i32", "QZ_E": "i32", "SC_E": "i32", "TOPK": "constexpr",
                      "TOPKP": "constexpr", "CH": "constexpr", "WN": "constexpr", "KW": "constexpr", "SYM": "constexpr",
                      "BF16": "constexpr", "SPLIT_K": "i32", "SPLITP": "constexpr", "EMULATE": "constexpr", "QBLK": "constexpr",
@@ -818,6 +905,12 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
                 "DEPTH": depth, "RESIDUAL": residual, "ONE_ROW": one_row})
               for depth, residual, one_row, splitp in [(2, False, False, 4), (1, False, True, 8), (1, True, True, 32),
                                                        (1, True, False, 4)]]
+    cases.append(("gemv qblk head norm", _gemv_tc_kernel, gemv_sig,  # the GDN out projection at one row (mixers)
+                  {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 32, "EMULATE": False, "QBLK": True,
+                   "PDL": True, "DEPTH": 1, "RESIDUAL": True, "ONE_ROW": True, "GS": 1, "GS_NVB": 8}))
+    cases.append(("gemv head norm, 3 rows", _gemv_tc_kernel, gemv_sig,  # the verify step's (RESIDUAL_ROWS_...)
+                  {"WN": 4, "KW": 1, "SYM": True, "BF16": True, "SPLITP": 16, "EMULATE": False, "QBLK": False,
+                   "PDL": True, "DEPTH": 2, "RESIDUAL": True, "ONE_ROW": False, "GS": 2, "GS_NVB": 4}))
     cases += [("gemv no split", _gemv_tc_kernel, gemv_sig,  # no_split_config: the verify rows' wide GEMVs
                {"WN": 1, "KW": 4, "SYM": True, "BF16": True, "SPLITP": 4, "EMULATE": False, "QBLK": qblk, "PDL": True,
                 "DEPTH": 1, "RESIDUAL": False, "ONE_ROW": False}) for qblk in (False, True)]
@@ -829,6 +922,9 @@ def check_asm_layouts(target_arch: int = 90) -> list[str]:
     for case in cases:  # the down kernel's epilogue as the fused MoE block runs it (shared expert and residual added)
         if case[0] == "down":
             case[3].update(SHARED=True, RESIDUAL=True)
+        elif case[0].startswith("gemv"):
+            case[3].setdefault("GS", 0)
+            case[3].setdefault("GS_NVB", 1)
     for name, fn, sig, consts in cases:
         aligned = {a for a in sig if sig[a].startswith("*") or a in ("N", "K2", "I", "I2", "H", "QW_E", "QZ_E", "SC_E")}
         compiled = compile_offline(fn, sig, consts, aligned, target_arch, consts["WN"] * consts["KW"])

@@ -4,9 +4,9 @@ Installed by `dispatch.install_fast_path` on each GatedAttention and GatedDeltaN
 that read the same input run as one merged weight where their formats agree (q/k/v; GDN's qkv/z
 and b/a; see merge.py); the cache work is one kernel per layer:
 attention writes the step's keys and values into the pool at their positions and runs
-`decode_attention` over the slot; GDN runs `gdn_decode`, which updates the slot's conv window
-and recurrent state in place (and, for a multi-token verify step, saves the state after each
-token so a partial accept can roll back).
+`decode_attention` over the slot; GDN runs `gdn_decode`, which writes the step's inputs to the slot's conv ring
+and updates its recurrent state in place (and, for a multi-token verify step, records each token's state update
+so a partial accept can roll back).
 
 Prefill (eager, several tokens per sequence) of GDN goes through fla-core's chunked gated delta
 rule where it is installed (`fla_chunked_recurrence`), instead of the reference's loop over tokens.
@@ -24,10 +24,29 @@ from .decode_attention import decode_attention
 from .gdn_decode import gdn_decode
 
 
-def out_projection(weight, x: torch.Tensor, residual: torch.Tensor | None):
+# The GDN kernel leaves its gated norm's rms to the out projection where the layer's out projection is the INT4 GEMV
+# that adds the residual (blocks.norm_in_gemvs, 1-4 rows): each GDN program writes w * o * silu(z) and o's sum of
+# squares over its v block, and the GEMV scales each row's products of a quantisation group by its head's rstd
+# (int4_tc's head_norm). The GDN kernel's arrival round then no longer runs the norms: its key heads' last programs
+# read every head's o back from a workspace after all others had finished. Needs heads of a multiple of 128 values
+# (one quantisation group holds one head's values), as the published models have.
+GDN_NORM_IN_OUT_PROJ = True
+
+
+def gdn_norm_in_out_proj(gdn: GatedDeltaNet) -> bool:
+    """Whether gdn's decode step leaves its gated norm's rms to its out projection (GDN_NORM_IN_OUT_PROJ), where its
+    out projection adds the residual."""
+    from .int4_tc import GROUP
+
+    return GDN_NORM_IN_OUT_PROJ and gdn.v_dim % GROUP == 0 and "residual_forward" in gdn.out_proj.__dict__
+
+
+def out_projection(weight, x: torch.Tensor, residual: torch.Tensor | None, head_norm: tuple | None = None):
     """The mixer's out projection; with `residual` (blocks.norm_in_gemvs) its INT4 GEMV also adds the residual and
-    returns (h, per-tile sums of squares)."""
-    return weight(x) if residual is None else weight.residual_forward(x, residual)
+    returns (h, per-tile sums of squares); with `head_norm` it also finishes the GDN's gated norm (int4_tc)."""
+    if residual is None:
+        return weight(x)
+    return weight.residual_forward(x, residual, **({} if head_norm is None else {"head_norm": head_norm}))
 
 
 def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch, fused_prologue: bool = False,
@@ -57,17 +76,21 @@ def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch,
 
 
 def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch, residual: torch.Tensor | None = None):
-    step_records, step_conv = (batch.rollback or {}).get(gdn.layer_idx, (None, None))
+    step_records = (batch.rollback or {}).get(gdn.layer_idx)
     (b, a), join = beside(x.device, gdn.merged["b_a"], x)  # the small b/a projection beside the big one
     qkv, z = gdn.merged["qkv_z"](x)  # each pair one launch where its formats agree (merge.py)
     join()
+    defer = residual is not None and gdn_norm_in_out_proj(gdn)
     core = gdn_decode(
         qkv, z, b, a,
         batch.pool.conv[gdn.layer_idx], gdn.conv1d.weight, gdn.A_log, gdn.dt_bias, gdn.norm.weight,
         batch.pool.recurrent[gdn.layer_idx], gdn.num_k_heads, gdn.eps,
-        slots=batch.slots, state_rows=(batch.state_in, batch.state_out), tokens_per_seq=batch.tokens_per_seq,
-        step_records=step_records, step_conv=step_conv,
+        positions=batch.positions, slots=batch.slots, state_rows=(batch.state_in, batch.state_out),
+        tokens_per_seq=batch.tokens_per_seq, step_records=step_records, defer_norm=defer,
     )
+    if defer:
+        core, parts = core
+        return out_projection(gdn.out_proj, core, residual, head_norm=(parts, gdn.eps))
     return out_projection(gdn.out_proj, core, residual)
 
 

@@ -51,16 +51,19 @@ def _cases():
                       {"GROUP": 128, "BLOCKED": True, "SWIGLU": True, "WEIGHTED": False, "BM": bm, "BN": bn, "BK": bk},
                       gemm, (), 4, 3))
     gdn = {p: "*bf16" for p in ("qkv_ptr", "z_ptr", "b_ptr", "a_ptr", "conv_ptr", "convw_ptr", "dtb_ptr", "nw_ptr",
-                                "out_ptr", "sconv_ptr")}
-    gdn.update(alog_ptr="*fp32", state_ptr="*fp32", o_ws="*fp32", cnt_ptr="*i32", slot_ptr="*i32", rin_ptr="*i32",
-               rout_ptr="*i32", srec_ptr="*fp32")
+                                "out_ptr")}
+    gdn.update(alog_ptr="*fp32", state_ptr="*fp32", o_ws="*fp32", cnt_ptr="*i32", pos_ptr="*i64", slot_ptr="*i32",
+               rin_ptr="*i32", rout_ptr="*i32", srec_ptr="*fp32", parts_ptr="*fp32")
     for m in (1, 3):
         cases.append((f"gdn decode M={m}", _gdn_decode_kernel,
-                      {"GROUP": 4, "GROUPP": 4, "BDK": 128, "BDV": 128, "BV": 16, "KERNEL": 4, "CONV_TY": tl.bfloat16,
-                       "M": m, "HAS_SLOTS": True, "SAVE_STEPS": m > 1, "SAVE_CONV": m > 1, "PDL": True},
+                      {"GROUP": 4, "GROUPP": 4, "BDK": 128, "BDV": 128, "BV": 16, "KERNEL": 4, "RING": 16,
+                       "CONV_TY": tl.bfloat16, "M": m, "HAS_SLOTS": True, "SAVE_STEPS": m > 1,
+                       "DEFER": False, "PDL": True},
                       gdn, ("eps",), 2, 1))
-    cases.append(("gdn decode M=3, ab_step's timing-only stand-ins", _gdn_decode_kernel,
-                  {**cases[-1][2], "WINDOWS": False, "NORM_ROUND": False}, gdn, ("eps",), 2, 1))
+    cases.append(("gdn decode M=3, ab_step's timing-only stand-in", _gdn_decode_kernel,
+                  {**cases[-1][2], "NORM_ROUND": False}, gdn, ("eps",), 2, 1))
+    cases.append(("gdn decode M=1, the gated norm's rms left to out_proj (mixers.GDN_NORM_IN_OUT_PROJ)",
+                  _gdn_decode_kernel, {**cases[-3][2], "DEFER": True}, gdn, ("eps",), 2, 1))
     cases.append(("gdn replay (the verify's rollback)", _gdn_replay_kernel, {"GROUP": 4, "BDK": 128, "BV": 16},
                   {"state_ptr": "*fp32", "rec_ptr": "*fp32"}, (), 2, 1))
     fp8 = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": "*fp32",

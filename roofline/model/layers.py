@@ -40,10 +40,10 @@ class SlotBatch:
     CUDA graph and replayed: B sequences x M tokens each, flattened sequence-major.
 
     The mixers' `slot_step` (installed with the fast path's kernels) reads and writes the pool in
-    place. With M > 1 (speculative verify), `rollback` holds per GDN layer the buffers that
-    receive each of the first M-1 tokens' state-update record and conv window (gdn_decode's
-    step_records). Keys and values go to (`kv_slots`, `kv_positions`), which differ from (`slots`,
-    `positions`) only for a bucket's padding rows (see CachePool); GDN states are read from rows
+    place. With M > 1 (speculative verify), `rollback` holds per GDN layer the buffer that
+    receives each of the first M-1 tokens' state-update record (gdn_decode's step_records). Keys and
+    values go to (`kv_slots`, `kv_positions`), which differ from (`slots`, `positions`) only for a
+    bucket's padding rows (see CachePool); GDN states are read from rows
     `state_in` and written to `state_out` of the pool (the verify writes a sequence's other buffer).
     """
 
@@ -53,7 +53,7 @@ class SlotBatch:
     lengths: torch.Tensor  # [B] cached tokens after this step
     tokens_per_seq: int
     max_len: int  # host-side bound on lengths (sizes the attention grid)
-    rollback: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    rollback: dict[int, torch.Tensor] | None = None
     kv_slots: torch.Tensor | None = None  # [B] where keys and values are written and read; default slots
     kv_positions: torch.Tensor | None = None  # [B*M] where they are written; default positions
     state_in: torch.Tensor | None = None  # [B] GDN state rows read; default slots
@@ -213,11 +213,12 @@ class GatedDeltaNet(nn.Module):
 
     def causal_conv(self, qkv: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
         """Depthwise causal conv over [cached K-1 inputs | new inputs], then SiLU; updates the cache."""
-        past = cache.conv.get(self.layer_idx)
+        history = self.kernel - 1
+        past = cache.conv_window(self.layer_idx, history)
         if past is None:
-            past = qkv.new_zeros(self.kernel - 1, self.conv_size)
+            past = qkv.new_zeros(history, self.conv_size)
         window = torch.cat([past, qkv])
-        cache.set_conv(self.layer_idx, window[-(self.kernel - 1) :].clone())
+        cache.set_conv(self.layer_idx, window, history)
         if cache.record_steps:
             cache.step_conv[self.layer_idx] = window
         weight = self.conv1d.weight

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..engine.cache import CachePool, step_record_size
+from ..engine.cache import CachePool, conv_ring_rows, step_record_size
 from ..engine.engine import Engine, Sequence, TokenEvent, pool_capacity
 from ..engine.sampling import SamplingParams
 from .metrics import Metrics
@@ -40,7 +40,8 @@ class CacheMemory:
     state_bytes_per_sequence: int  # conv window + fp32 recurrent state of every GDN layer
     layer_kv_bytes_per_token: int  # keys + values of one attention layer (the MTP head's cache)
     recurrent_bytes_per_sequence: int  # the fp32 recurrent states alone (the verify's second buffer)
-    rollback_bytes_per_draft: int  # a verify position's conv windows and step records, every GDN layer
+    rollback_bytes_per_draft: int  # a verify position's step records, every GDN layer
+    ring_bytes_per_sequence: int  # what the pool's conv rings hold beyond those windows (CachePool), every GDN layer
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, dtype: torch.dtype) -> "CacheMemory":
@@ -48,11 +49,13 @@ class CacheMemory:
         full = sum(t == "full_attention" for t in cfg.layer_types)
         linear = len(cfg.layer_types) - full
         kv = 2 * cfg.num_key_value_heads * cfg.head_dim * element
-        conv = (cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim * element
+        history = cfg.linear_conv_kernel_dim - 1
+        conv = history * cfg.linear_conv_dim * element
+        ring = (conv_ring_rows(cfg.linear_conv_kernel_dim) - history) * cfg.linear_conv_dim * element
         recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
         record = step_record_size(cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads,
                                   cfg.linear_value_head_dim) * 4
-        return cls(full * kv, linear * (conv + recurrent), kv, linear * recurrent, linear * (conv + record))
+        return cls(full * kv, linear * (conv + recurrent), kv, linear * recurrent, linear * record, linear * ring)
 
     def sequence_bytes(self, num_tokens: int) -> int:
         return self.state_bytes_per_sequence + self.kv_bytes_per_token * num_tokens
@@ -64,11 +67,13 @@ class CacheMemory:
     def pooled_bytes(self, max_model_len: int, slots: int, mtp_drafts: int = 0) -> int:
         """What the CUDA-graph decode path preallocates (Engine.ensure_pools) for `slots` sequences: per slot a whole
         context's KV (and a few positions more) and GDN state, with MTP speculation of `mtp_drafts` tokens also the
-        head's KV (one attention layer), a second recurrent-state buffer and the verify's rollback saves (conv
-        windows and step records after each draft); once, the padding rows' GDN slot (both buffers)."""
+        head's KV (one attention layer), a second recurrent-state buffer and the verify's rollback saves (the step
+        records of each draft); once, the padding rows' GDN slot (both buffers). GDN conv state as the pool holds it:
+        rings by position."""
         tokens = pool_capacity(max_model_len) + CachePool.PAD_TOKENS
         head_kv = self.layer_kv_bytes_per_token if mtp_drafts else 0
-        state = self.state_bytes_per_sequence + (self.recurrent_bytes_per_sequence if mtp_drafts else 0)
+        state = (self.state_bytes_per_sequence + self.ring_bytes_per_sequence
+                 + (self.recurrent_bytes_per_sequence if mtp_drafts else 0))
         per_slot = tokens * (self.kv_bytes_per_token + head_kv) + state + mtp_drafts * self.rollback_bytes_per_draft
         return slots * per_slot + state
 
