@@ -350,8 +350,8 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     nvb = triton.cdiv(dv, bv)
     if out is None:
         out = torch.empty(n, hv * dv, dtype=qkv.dtype, device=qkv.device)
-    o_ws = torch.empty(n, hv, dv, dtype=torch.float32, device=qkv.device)
     parts = torch.empty(n, hv, nvb, dtype=torch.float32, device=qkv.device) if defer_norm else None
+    o_ws = parts if defer_norm else torch.empty(n, hv, dv, dtype=torch.float32, device=qkv.device)  # unread deferred
     cnt = counters if counters is not None else counters_for("gdn_decode", bsz * num_k_heads, qkv.device)
     (qkv, qs), (z, zs), (b, bs), (a, as_) = (rows_in_place(t) for t in (qkv, z, b, a))
     _gdn_decode_kernel[(nvb, hv, bsz)](
