@@ -187,9 +187,6 @@ VARIANTS = {
     # quarter of the lanes holding the row) against every lane summing its column's splits, 32 splits' loads at once
     "int4-one-row-tile-sum": _module_setting("roofline.kernels.int4_tc", "ONE_ROW_FLAT_SUM", False),
     "out-proj-verify-2-per-sm": _module_setting("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
-    # session 30, timing only: the GDN kernel without its arrival round (no gated norms; o as the output)
-    "timing-gdn-no-norm-round": _timing_only("o as the output", (
-        "roofline.kernels.gdn_decode", "TIMING_NO_NORM_ROUND", True)),
     # session 34: the GDN kernel's gated norm whole, in its arrival round (mixers.GDN_NORM_IN_OUT_PROJ off)
     "gdn-norm-round": _module_setting("roofline.kernels.mixers", "GDN_NORM_IN_OUT_PROJ", False),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),

@@ -997,31 +997,6 @@ def test_gdn_decode_pool_gpu(m, merged):
                    two_buffers=m > 1)
 
 
-@cpu
-def test_gdn_timing_stand_in_without_the_norm_round(monkeypatch):
-    """ab_step's timing-gdn-no-norm-round: o (the recurrence's output before the gated norm) as the output, the state
-    as the reference's, no counter touched."""
-    monkeypatch.setattr(gdn_decode_module, "TIMING_NO_NORM_ROUND", True)
-    bsz, hk, hv, dk, dv = 2, 2, 4, 8, 8
-    fixed, pools, inp = gdn_pool_inputs(bsz, bsz, 1, hk, hv, dk, dv, torch.float32, "cpu")
-    args = [fixed[k] for k in ("conv_weight", "A_log", "dt_bias", "norm_weight")]
-    step = [inp[k] for k in ("qkv", "z", "b", "a")]
-    positions = step_positions([2, 9], 1, "cpu")
-    new = pools["state"].clone()  # the state after the step, as the reference leaves it
-    gdn_decode_reference(*step, pools["conv_state"].clone(), *args, new, hk, positions=positions)
-    y = gdn_decode(*step, pools["conv_state"].clone(), *args, pools["state"], hk, positions=positions, block_v=4)
-    assert rel_err(pools["state"], new) < 1e-4
-    # o = S^T q with q the normed, scaled conv output: recompute q as the reference does
-    w = fixed["conv_weight"].reshape(-1, 4)
-    past = torch.stack([ring_window(pools["conv_state"][i], int(positions[i])) for i in range(bsz)])
-    window = torch.cat([past, inp["qkv"][:, None]], 1)
-    mixed = torch.nn.functional.silu((window * w.t()[None]).sum(1))
-    q = mixed[:, : hk * dk].view(bsz, hk, dk)
-    q = (q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk**-0.5).repeat_interleave(hv // hk, dim=1)
-    assert rel_err(y.view(bsz, hv, dv), torch.einsum("bhkv,bhk->bhv", new, q)) < 1e-4
-    assert_counters_zero()
-
-
 def check_gdn_replay(bsz, m, hk, hv, dk, dv, dtype, device, block_v=None, num_warps=None):
     """gdn_replay after an M-token verify step (two layers, two state buffers per slot): for every kept < M it rebuilds
     in the spare row the state that the same kernel (the same tile) leaves after only the first `kept` tokens, bit for

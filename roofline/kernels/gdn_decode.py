@@ -39,7 +39,9 @@ so a layer runs Hv * dv/BV programs per sequence (512 at BV=16); each recomputes
 q/k conv and norms (256 channels, cheap); each program writes its own v channels' inputs to the ring, one program a
 key head the q/k channels'. The RMSNorm over dv needs the whole head: the last program of each (sequence, key head)
 to arrive (see _common.arrive) runs its heads' gated norms, reading the group's o vectors back from a small fp32
-workspace.
+workspace. With `defer_norm` the norm's rms is left to the kernel that reads the output (the out projection,
+int4_tc's `head_norm`): each program writes its columns' w * o * silu(z) and their sum of o^2, and the kernel has
+no arrival round.
 
 Layouts: qkv [B*M, 2*Hk*dk + Hv*dv] ([q | k | v], as in_proj_qkv writes it; qkv, z, b and a may be column views of
 a merged projection's output, their rows strided), conv_weight
@@ -64,9 +66,6 @@ MAX_TOKENS = 5  # tokens per sequence in one step (1 decode token + up to 4 MTP 
 # bits differ from one-token steps' (gdn_replay redoes the verify's own updates from its records: unaffected).
 ONE_TOKEN_TILE = (16, 2)
 VERIFY_TILE = (32, 4)
-# Timing only (ab_step's timing-gdn-no-norm-round; wrong outputs): no arrival round, each program
-# writes its o as the output: what the kernel's gated norms and their round cost, wherever they would go instead.
-TIMING_NO_NORM_ROUND = False
 
 
 def _check_inputs(bsz, m, conv_state, conv_weight, positions, state, num_k_heads, step_records):
@@ -208,8 +207,7 @@ def _gdn_decode_kernel(
     C, KEY, HV, HK, DK, DV, eps, QS, ZS, BS, AS, REC,
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     NVB, KERNEL: tl.constexpr, RING: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, NORM_ROUND: tl.constexpr = True,
-    parts_ptr=None, DEFER: tl.constexpr = False, PDL: tl.constexpr = False,
+    HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, parts_ptr=None, DEFER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     vb = tl.program_id(0)
     h = tl.program_id(1)
@@ -270,10 +268,8 @@ def _gdn_decode_kernel(
             zz = tl.load(z_ptr + tok * ZS + h * DV + vv, mask=vmask, other=0).to(tl.float32)
             gated = (nw * of).to(ty).to(tl.float32) * (zz / (1.0 + tl.exp(-zz)))
             tl.store(out_ptr + (tok * HV + h) * DV + vv, gated.to(ty), mask=vmask)
-        elif NORM_ROUND:
+        else:
             tl.store(o_ws + (tok * HV + h) * DV + vv, o, mask=vmask)
-        else:  # timing only: o itself as the output
-            tl.store(out_ptr + (tok * HV + h) * DV + vv, o.to(ty), mask=vmask)
         if SAVE_STEPS:  # what gdn_replay needs to redo this update: k, d, decay
             if j < M - 1:
                 rec = srec_ptr + (bi * (M - 1) + j).to(tl.int64) * REC
@@ -289,7 +285,7 @@ def _gdn_decode_kernel(
             _ring_store(qkv_row, ring, cq, dmask, C, QS, first, M, RING)
             _ring_store(qkv_row, ring, ck, dmask, C, QS, first, M, RING)
 
-    if NORM_ROUND and not DEFER:
+    if not DEFER:
         cnt = cnt_ptr + bi * HK + kh
         if arrive(cnt, GROUP * NVB):
             # the group's heads' gated norms, from the o vectors its programs wrote
@@ -343,8 +339,8 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     group = hv // num_k_heads
     # 512 programs per sequence at 122B shapes (256 for a verify step); the interpreter runs programs one after
     # another, so there one V block per head (the split-V path is tested with an explicit block_v); either way every
-    # program writes its o to the workspace and the key head's last program runs the gated norms, so the interpreter
-    # runs the GPU's code path
+    # program writes its o to the workspace and the key head's last program runs the gated norms (or, deferred, each
+    # program its own columns' part), so the interpreter runs the GPU's code path
     tile_v, warps = ONE_TOKEN_TILE if m == 1 else VERIFY_TILE
     bv = block_v or (tile_v if not INTERPRET else next_pow2(dv))
     nvb = triton.cdiv(dv, bv)
@@ -361,7 +357,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_, step_record_size(num_k_heads, dk, hv, dv),
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb,
         KERNEL=conv_weight.shape[-1], RING=conv_state.shape[1], CONV_TY=_TL[conv_weight.dtype], M=m,
-        HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps, NORM_ROUND=not TIMING_NO_NORM_ROUND,
+        HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps,
         parts_ptr=parts, DEFER=defer_norm,
         num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
     )

@@ -22,22 +22,21 @@ from ..model.layers import GatedAttention, GatedDeltaNet, SlotBatch
 from ._common import beside
 from .decode_attention import decode_attention
 from .gdn_decode import gdn_decode
+from .int4_tc import GROUP
 
 
 # The GDN kernel leaves its gated norm's rms to the out projection where the layer's out projection is the INT4 GEMV
 # that adds the residual (blocks.norm_in_gemvs, 1-4 rows): each GDN program writes w * o * silu(z) and o's sum of
 # squares over its v block, and the GEMV scales each row's products of a quantisation group by its head's rstd
-# (int4_tc's head_norm). The GDN kernel's arrival round then no longer runs the norms: its key heads' last programs
-# read every head's o back from a workspace after all others had finished. Needs heads of a multiple of 128 values
-# (one quantisation group holds one head's values), as the published models have.
+# (int4_tc's head_norm). The GDN kernel then has no arrival round (without the deferral its key heads' last programs
+# read every head's o back from a workspace after all others had finished, and ran the norms). Needs heads of a
+# multiple of 128 values (one quantisation group holds one head's values), as the published models have.
 GDN_NORM_IN_OUT_PROJ = True
 
 
 def gdn_norm_in_out_proj(gdn: GatedDeltaNet) -> bool:
     """Whether gdn's decode step leaves its gated norm's rms to its out projection (GDN_NORM_IN_OUT_PROJ), where its
     out projection adds the residual."""
-    from .int4_tc import GROUP
-
     return GDN_NORM_IN_OUT_PROJ and gdn.v_dim % GROUP == 0 and "residual_forward" in gdn.out_proj.__dict__
 
 

@@ -55,15 +55,11 @@ def _cases():
     gdn.update(alog_ptr="*fp32", state_ptr="*fp32", o_ws="*fp32", cnt_ptr="*i32", pos_ptr="*i64", slot_ptr="*i32",
                rin_ptr="*i32", rout_ptr="*i32", srec_ptr="*fp32", parts_ptr="*fp32")
     for m in (1, 3):
-        cases.append((f"gdn decode M={m}", _gdn_decode_kernel,
-                      {"GROUP": 4, "GROUPP": 4, "BDK": 128, "BDV": 128, "BV": 16, "KERNEL": 4, "RING": 16,
-                       "CONV_TY": tl.bfloat16, "M": m, "HAS_SLOTS": True, "SAVE_STEPS": m > 1,
-                       "DEFER": False, "PDL": True},
-                      gdn, ("eps",), 2, 1))
-    cases.append(("gdn decode M=3, ab_step's timing-only stand-in", _gdn_decode_kernel,
-                  {**cases[-1][2], "NORM_ROUND": False}, gdn, ("eps",), 2, 1))
-    cases.append(("gdn decode M=1, the gated norm's rms left to out_proj (mixers.GDN_NORM_IN_OUT_PROJ)",
-                  _gdn_decode_kernel, {**cases[-3][2], "DEFER": True}, gdn, ("eps",), 2, 1))
+        consts = {"GROUP": 4, "GROUPP": 4, "BDK": 128, "BDV": 128, "BV": 16, "KERNEL": 4, "RING": 16,
+                  "CONV_TY": tl.bfloat16, "M": m, "HAS_SLOTS": True, "SAVE_STEPS": m > 1, "PDL": True}
+        cases.append((f"gdn decode M={m}", _gdn_decode_kernel, {**consts, "DEFER": False}, gdn, ("eps",), 2, 1))
+        cases.append((f"gdn decode M={m}, the gated norm's rms left to out_proj (mixers.GDN_NORM_IN_OUT_PROJ)",
+                      _gdn_decode_kernel, {**consts, "DEFER": True}, gdn, ("eps",), 2, 1))
     cases.append(("gdn replay (the verify's rollback)", _gdn_replay_kernel, {"GROUP": 4, "BDK": 128, "BV": 16},
                   {"state_ptr": "*fp32", "rec_ptr": "*fp32"}, (), 2, 1))
     fp8 = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
