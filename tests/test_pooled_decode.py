@@ -295,31 +295,41 @@ def test_cuda_graph_greedy_tokens_equal_reference(checkpoint, k):
 
 
 @pytest.mark.gpu
-def test_gdn_norm_in_out_proj_keeps_the_first_tokens_logprobs_gpu(tmp_path, monkeypatch):
-    """bf16, INT4, GDN heads of 128 values (the published models'): with the one-row GDN step leaving its gated norm's
-    rms to the out projection (mixers.GDN_NORM_IN_OUT_PROJ, taken here) the first decoded token (after the prefill's)
-    and its top log-probabilities are those of the step with the norm in the GDN kernel, within bf16's roundings."""
+@pytest.mark.parametrize("k", [None, 2])
+def test_gdn_norm_in_out_proj_keeps_the_tokens_logprobs_gpu(tmp_path, monkeypatch, k):
+    """bf16, INT4, GDN heads of 128 values (the published models'): with the GDN step leaving its gated norm's rms
+    to the out projection (mixers.GDN_NORM_IN_OUT_PROJ, taken here; with MTP-2 also by the 3-row verify steps) the
+    first decoded token (after the prefill's) and its top log-probabilities are those of the step with the norm in
+    the GDN kernel, within bf16's roundings, and so is each later token's log-probability while both agree."""
     from roofline.kernels import mixers
 
     path = write_random_checkpoint(tmp_path / "dv128", seed=3, plan=INT4_PLAN, linear_value_head_dim=128)
     calls = []
     run_gdn = mixers.gdn_decode
-    monkeypatch.setattr(mixers, "gdn_decode", lambda *a, **kw: calls.append(kw["defer_norm"]) or run_gdn(*a, **kw))
+    monkeypatch.setattr(mixers, "gdn_decode", lambda *a, **kw: calls.append(
+        (kw["defer_norm"], kw["tokens_per_seq"])) or run_gdn(*a, **kw))
     events = {}
     for defer in (True, False):
         monkeypatch.setattr(mixers, "GDN_NORM_IN_OUT_PROJ", defer)
-        engine = Engine.from_pretrained(str(path), device="cuda", dtype="bfloat16", cuda_graphs=True, max_num_seqs=1)
-        engine.add(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=2, logprobs=5))
+        engine = Engine.from_pretrained(str(path), device="cuda", dtype="bfloat16", cuda_graphs=True, max_num_seqs=1,
+                                        speculative=SpeculativeConfig(k) if k else None)
+        engine.add(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, logprobs=5))
         events[defer] = []
         while engine.sequences:
             events[defer] += [event for _, event in engine.step()]
-        assert (True in calls) == defer, "the deferred norm runs exactly when switched on"
+        deferred_rows = {rows for deferred, rows in calls if deferred}
+        assert (k or 0) + 1 in deferred_rows if defer else not deferred_rows, \
+            "the deferred norm runs exactly when switched on, in the verify steps too"
         calls.clear()
         del engine
     assert events[True][0] == events[False][0], "the prefill's token: the same path"
     got, want = dict(events[True][1].top_logprobs), dict(events[False][1].top_logprobs)
     assert set(got) == set(want)  # the top 5 of a random model's flat distribution: their order may flip on a tie
     assert [got[t] for t in want] == pytest.approx(list(want.values()), abs=0.06)
+    for g, w in zip(events[True][1:], events[False][1:]):  # later tokens while both runs chose the same ones
+        if g.token_id != w.token_id:
+            break
+        assert g.logprob == pytest.approx(w.logprob, abs=0.06)
 
 
 def run_schedule(engine, schedule):
