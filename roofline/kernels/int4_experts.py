@@ -87,13 +87,17 @@ def _pick(v, idx, i: tl.constexpr):
 
 
 @triton.jit
-def _owner(ids_ptr, T, chunk, slot, CH: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr):
-    """For slot `slot` of token chunk `chunk`: (is_owner, expert, rows, routed, choice).
+def _slot_owner(ids_ptr, T, CH: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr):
+    """The program's (chunk, is_owner, expert, rows, routed, choice). The grid's axis 1 runs over (token chunk,
+    slot) pairs, CH * TOPK slots a chunk.
 
     is_owner: the slot exists and no earlier slot of the chunk routes to its expert. rows [CH]:
     token indices of the chunk; routed [CH]: the token routes to the expert; choice [CH]: which of
     its k choices does (valid where routed).
     """
+    pid_s = tl.program_id(1)
+    chunk = pid_s // (CH * TOPK)
+    slot = pid_s % (CH * TOPK)
     rr = tl.arange(0, CH)
     jj = tl.arange(0, TOPKP)
     tok = chunk * CH + rr
@@ -109,7 +113,7 @@ def _owner(ids_ptr, T, chunk, slot, CH: tl.constexpr, TOPK: tl.constexpr, TOPKP:
     is_owner = exists & (earlier == 0)
     routed = tl.sum(tl.where(match, 1, 0), axis=1) > 0
     choice = tl.sum(tl.where(match, jj[None, :], 0), axis=1)
-    return is_owner, e, tok, routed, choice
+    return chunk, is_owner, e, tok, routed, choice
 
 
 @triton.jit
@@ -147,12 +151,8 @@ def _gate_up_kernel(
 ):
     wait_for_inputs(PDL)  # which weights to read comes from the router's output
     pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
     pid_k = tl.program_id(2)
-    SLOTS = CH * TOPK
-    chunk = pid_s // SLOTS
-    slot = pid_s % SLOTS
-    is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
+    chunk, is_owner, e, tok, routed, choice = _slot_owner(ids_ptr, T, CH, TOPK, TOPKP)
     if is_owner:
         n2 = 2 * I
         e64 = e.to(tl.int64)
@@ -177,10 +177,10 @@ def _gate_up_kernel(
             base = ws_ptr + pid_k * (T * TOPK * 2 * I) + row[:, None] * (2 * I) + n_offs[None, :]
             tl.store(base, gate, mask=omask)
             tl.store(base + I, up, mask=omask)
-            cnt = cnt_ptr + pid_s * tl.num_programs(0) + pid_n
+            cnt = cnt_ptr + tl.program_id(1) * tl.num_programs(0) + pid_n
             if arrive(cnt, SPLIT_K):
                 # masks rebuilt here: reusing the outer ones trips a layout pass (operand does not dominate)
-                is_owner2, e2, tok2, routed2, choice2 = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
+                _, is_owner2, e2, tok2, routed2, choice2 = _slot_owner(ids_ptr, T, CH, TOPK, TOPKP)
                 row2 = tok2 * TOPK + choice2
                 omask2 = routed2[:, None] & (n_offs < I)[None, :]
                 offs = row2[:, None] * (2 * I) + n_offs[None, :]
@@ -230,14 +230,10 @@ def _down_kernel(
 ):
     wait_for_inputs(PDL)
     pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
     pid_k = tl.program_id(2)
-    SLOTS = CH * TOPK
-    chunk = pid_s // SLOTS
-    slot = pid_s % SLOTS
     n_offs = pid_n * BN + tl.arange(0, BN)
     n_mask = n_offs < H
-    is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
+    chunk, is_owner, e, tok, routed, choice = _slot_owner(ids_ptr, T, CH, TOPK, TOPKP)
     row = tok * TOPK + choice  # [CH] rows of act / routing weights
     if is_owner:
         e64 = e.to(tl.int64)
@@ -416,12 +412,8 @@ def _gate_up_tc_kernel(
 ):
     wait_for_inputs(PDL)  # which weights to read comes from the router's output
     pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
     pid_k = tl.program_id(2)
-    SLOTS = CH * TOPK
-    chunk = pid_s // SLOTS
-    slot = pid_s % SLOTS
-    is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
+    chunk, is_owner, e, tok, routed, choice = _slot_owner(ids_ptr, T, CH, TOPK, TOPKP)
     if is_owner:
         e64 = e.to(tl.int64)
         colbase = pid_n * (32 * WN)
@@ -446,7 +438,7 @@ def _gate_up_tc_kernel(
             tl.store(base + row0 * (2 * I) + I, u0, mask=m0)
             tl.store(base + row1 * (2 * I), g1, mask=m1)
             tl.store(base + row1 * (2 * I) + I, u1, mask=m1)
-            cnt = cnt_ptr + pid_s * tl.num_programs(0) + pid_n
+            cnt = cnt_ptr + tl.program_id(1) * tl.num_programs(0) + pid_n
             if arrive(cnt, SPLIT_K):
                 _gate_up_tc_finish(ws_ptr, act_ptr, row0, m0, col, T, I, TOPK, SPLIT_K, SPLITP)
                 _gate_up_tc_finish(ws_ptr, act_ptr, row1, m1, col, T, I, TOPK, SPLIT_K, SPLITP)
@@ -474,15 +466,11 @@ def _down_tc_kernel(
 ):
     BN: tl.constexpr = 32 * WN
     pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
     pid_k = tl.program_id(2)
-    SLOTS = CH * TOPK
-    chunk = pid_s // SLOTS
-    slot = pid_s % SLOTS
     colbase = pid_n * BN
     # Under PDL the routing is read and the first weights are loaded before the wait for gate_up: the router wrote
     # ids two kernels back, and this kernel only starts once every gate_up program has passed its own wait.
-    is_owner, e, tok, routed, choice = _owner(ids_ptr, T, chunk, slot, CH, TOPK, TOPKP)
+    chunk, is_owner, e, tok, routed, choice = _slot_owner(ids_ptr, T, CH, TOPK, TOPKP)
     if is_owner:
         e64 = e.to(tl.int64)
         xrow = _chunk_xrow((tok * TOPK + choice) * I2, routed, WN, KW, CH)
