@@ -45,7 +45,7 @@ def out_projection(weight, x: torch.Tensor, residual: torch.Tensor | None, head_
     returns (h, per-tile sums of squares); with `head_norm` it also finishes the GDN's gated norm (int4_tc)."""
     if residual is None:
         return weight(x)
-    return weight.residual_forward(x, residual, **({} if head_norm is None else {"head_norm": head_norm}))
+    return weight.residual_forward(x, residual, head_norm=head_norm)
 
 
 def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch, fused_prologue: bool = False,
@@ -87,10 +87,11 @@ def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch, residua
         positions=batch.positions, slots=batch.slots, state_rows=(batch.state_in, batch.state_out),
         tokens_per_seq=batch.tokens_per_seq, step_records=step_records, defer_norm=defer,
     )
+    head_norm = None
     if defer:
         core, parts = core
-        return out_projection(gdn.out_proj, core, residual, head_norm=(parts, gdn.eps))
-    return out_projection(gdn.out_proj, core, residual)
+        head_norm = (parts, gdn.eps)
+    return out_projection(gdn.out_proj, core, residual, head_norm)
 
 
 FLA_MIN_TOKENS = 16  # shorter spans (decode, verify) are not worth a chunked launch
