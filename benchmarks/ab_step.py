@@ -189,6 +189,10 @@ VARIANTS = {
     "out-proj-verify-2-per-sm": _module_setting("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
     # session 34: the GDN kernel's gated norm whole, in its arrival round (mixers.GDN_NORM_IN_OUT_PROJ off)
     "gdn-norm-round": _module_setting("roofline.kernels.mixers", "GDN_NORM_IN_OUT_PROJ", False),
+    # session 36: the dense (27B) layers' residual adds in out_proj's and down_proj's epilogues, against add_rms_norm
+    # and a separate add after the MLP (and the GDN kernel's norm round)
+    "dense-residual-apart": ("ROOFLINE_DENSE_RESIDUAL_IN_GEMVS=0",
+                             [("roofline.kernels.blocks", "DENSE_RESIDUAL_IN_GEMVS", False)]),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),

@@ -22,6 +22,8 @@ pytest.importorskip("triton")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu = pytest.mark.skipif(not INTERPRET, reason="runs the kernels in Triton's interpreter (TRITON_INTERPRET=1, no CUDA)")
 
+# the dense model's MLPs in INT4 too, as the 27B's synthetic layout (`bench synthetic`'s default) stores them
+DENSE_INT4_PLAN = {**INT4_PLAN, "dense_mlp": "int4"}
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [9, 8, 7], [100, 3, 4, 200, 201, 9, 9, 12, 40]]
 
 
@@ -449,3 +451,69 @@ def test_freeze_startup_heap_puts_what_start_built_out_of_the_collectors_reach()
         assert not any(id(x) in oldest for x in startup)
     finally:
         gc.unfreeze()
+
+
+def check_dense_residuals(path, monkeypatch, device, dtype, tol, k=None, prompt=(5,), max_tokens=2):
+    """With blocks.DENSE_RESIDUAL_IN_GEMVS the dense model's out projections add the layer's input (finishing the
+    GDN's gated norm) and its down projections add h, in their epilogues, in every step (the verify's too); switched
+    off, add_rms_norm and a separate add run. The prefill's token is the same, and the next tokens' log-probabilities
+    (the first decoded token's top 5 too) agree within `tol` while both runs choose the same tokens."""
+    from roofline.kernels import blocks, dispatch, mixers
+
+    residual_calls, deferred = [], []
+    run_residual, run_gdn = dispatch._int4_residual, mixers.gdn_decode
+    monkeypatch.setattr(dispatch, "_int4_residual", lambda weight, *a, **kw: residual_calls.append(
+        weight.in_features) or run_residual(weight, *a, **kw))  # bound per weight at install: patched before it
+    monkeypatch.setattr(mixers, "gdn_decode", lambda *a, **kw: deferred.append(
+        (kw["defer_norm"], kw["tokens_per_seq"])) or run_gdn(*a, **kw))
+    events = {}
+    for on in (True, False):
+        monkeypatch.setattr(blocks, "DENSE_RESIDUAL_IN_GEMVS", on)
+        engine = Engine.from_pretrained(str(path), device=device, dtype=dtype, cuda_graphs=True, max_num_seqs=1,
+                                        speculative=SpeculativeConfig(k) if k else None)
+        cfg = engine.model.config
+        engine.add(list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5))
+        events[on] = []
+        while engine.sequences:
+            events[on] += [event for _, event in engine.step()]
+        if on:  # each step: each layer's out projection (K = its mixer's width) and down projection (K = I)
+            widths = {cfg.num_attention_heads * cfg.head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim}
+            assert set(residual_calls) == widths | {cfg.intermediate_size}
+            gdn_layers = sum(t == "linear_attention" for t in cfg.layer_types)
+            assert residual_calls.count(cfg.intermediate_size) * gdn_layers == len(deferred) * cfg.num_hidden_layers > 0
+            assert all(d for d, _ in deferred), "the GDN kernel leaves its norm's rms to out_proj"
+            assert not k or (k + 1) in {rows for _, rows in deferred}, "the verify steps take it too"
+        else:
+            assert not residual_calls and deferred and not any(d for d, _ in deferred), "off: add_rms_norm and the add"
+        residual_calls.clear()
+        deferred.clear()
+        del engine
+    assert events[True][0].token_id == events[False][0].token_id, "the prefill's token"
+    got, want = dict(events[True][1].top_logprobs), dict(events[False][1].top_logprobs)
+    assert set(got) == set(want)  # the top 5 of a random model's flat distribution: their order may flip on a tie
+    assert [got[t] for t in want] == pytest.approx(list(want.values()), abs=tol)
+    for g, w in zip(events[True][1:], events[False][1:]):
+        if g.token_id != w.token_id:
+            break
+        assert g.logprob == pytest.approx(w.logprob, abs=tol)
+
+
+@cpu
+def test_dense_layers_add_their_residuals_in_the_int4_gemvs(tmp_path, monkeypatch):
+    """fp16 in the interpreter, one GDN layer (heads of 128 values) and one attention layer with INT4 linears (the
+    27B's layers, small): see check_dense_residuals. A one-token prompt and two tokens: the interpreter's INT4 GEMVs
+    take ~10 s a step."""
+    path = write_random_checkpoint(tmp_path / "dense", seed=5, plan=DENSE_INT4_PLAN, moe=False, layers=2,
+                                   layer_types=["linear_attention", "full_attention"], linear_value_head_dim=128,
+                                   linear_num_key_heads=1, linear_num_value_heads=2, intermediate_size=384)
+    check_dense_residuals(path, monkeypatch, "cpu", "float16", 0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [None, 2])
+def test_dense_layers_add_their_residuals_in_the_int4_gemvs_gpu(tmp_path, monkeypatch, k):
+    """bf16, CUDA graphs, the tiny dense model's four layers with INT4 linears and GDN heads of 128 values; with MTP-2
+    the 3-row verify steps too: see check_dense_residuals."""
+    path = write_random_checkpoint(tmp_path / "dense", seed=5, plan=DENSE_INT4_PLAN, moe=False,
+                                   linear_value_head_dim=128, intermediate_size=384)
+    check_dense_residuals(path, monkeypatch, "cuda", "bfloat16", 0.06, k, prompt=PROMPTS[0], max_tokens=8)

@@ -21,6 +21,11 @@ Same math as `DecoderLayer.forward` and `SparseMoE.forward`, rounded where they 
   shared gate_up norm their input on the fly from those (`fp8_gemv.NormOnLoad`), the router's kernel
   also writing the normed rows for the routed experts: one launch a layer fewer, and the shared expert
   starts a kernel earlier. ROOFLINE_NORM_IN_GEMVS=0 keeps the add_rms_norm launch.
+- the dense model's layers add their residuals in GEMV epilogues where the mixer's out projection and the MLP's
+  down projection are INT4 tensor-core GEMVs (`residual_in_gemvs`, DENSE_RESIDUAL_IN_GEMVS): the out projection
+  adds the layer's input (and finishes a GDN mixer's gated norm, mixers.gdn_norm_in_out_proj), a plain RMSNorm
+  launch takes add_rms_norm's place, and the down projection adds h, where a separate add kernel ran after it (one
+  launch a layer fewer, and the GDN kernel without its norm's arrival round).
 
 Installed by `dispatch.install_fast_path` with the fused small ops; more rows (prefill) run the
 model's own code.
@@ -41,6 +46,9 @@ from .fp8_gemv import NormOnLoad, fp8_matmul, router_top_k
 from .small_ops import add_rms_norm, route_top_k, silu_mul
 
 NORM_IN_GEMVS = os.environ.get("ROOFLINE_NORM_IN_GEMVS", "1") != "0"
+# Read at call time (benchmarks/ab_step.py switches it); ROOFLINE_DENSE_RESIDUAL_IN_GEMVS=0 keeps add_rms_norm and the
+# separate add after the MLP.
+DENSE_RESIDUAL_IN_GEMVS = os.environ.get("ROOFLINE_DENSE_RESIDUAL_IN_GEMVS", "1") != "0"
 
 
 def gemv_operands(weight) -> tuple | None:
@@ -68,6 +76,15 @@ def norm_in_gemvs(layer: DecoderLayer, dtype) -> bool:
     out = layer.self_attn.o_proj if layer.layer_type == "full_attention" else layer.linear_attn.out_proj
     return (fused_router(moe) is not None and gemv_operands(moe.shared_expert.merged["gate_up"].merged) is not None
             and "residual_forward" in out.__dict__ and int4_tc_capable(out, dtype))
+
+
+def residual_in_gemvs(layer: DecoderLayer, dtype) -> bool:
+    """Whether a dense (MLP) layer's out projection and down projection can add its residuals in their epilogues:
+    both INT4 weights whose decode calls take the tensor-core GEMV (see the module docstring)."""
+    if not isinstance(layer.mlp, MLP):
+        return False
+    out = layer.self_attn.o_proj if layer.layer_type == "full_attention" else layer.linear_attn.out_proj
+    return all("residual_forward" in w.__dict__ and int4_tc_capable(w, dtype) for w in (out, layer.mlp.down_proj))
 
 
 # Rows up to which the router routes in its GEMV's epilogue. H200, 2026-12-03 (BENCHMARKS.md): with the epilogue
@@ -169,29 +186,41 @@ def moe_forward(moe: SparseMoE, syms: tuple[bool, bool], x: torch.Tensor, residu
                         residual=None if residual is None else residual.contiguous())
 
 
-def mlp_forward(mlp: MLP, x: torch.Tensor, norm: NormOnLoad | None = None) -> torch.Tensor:
-    """MLP.forward with gate and up as one merged projection and silu * up as one kernel; with `norm` (the MoE
-    block's shared expert, `norm_in_gemvs`) the merged gate_up norms its input in its prologue."""
+def mlp_forward(mlp: MLP, x: torch.Tensor, norm: NormOnLoad | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """MLP.forward (+ residual) with gate and up as one merged projection and silu * up as one kernel; with `norm`
+    (the MoE block's shared expert, `norm_in_gemvs`) the merged gate_up norms its input in its prologue; with
+    `residual` (a dense layer's h, `residual_in_gemvs`) the down projection adds it in its epilogue."""
     both = mlp.merged["gate_up"]
     if norm is not None:
         gate_up = fp8_matmul(x, *gemv_operands(both.merged), norm=norm)
     elif both.merged is None or not 1 <= row_count(x) <= MAX_DECODE_ROWS:
-        return MLP.forward(mlp, x)
+        out = MLP.forward(mlp, x)
+        return out if residual is None else residual + out
     else:
         gate_up = both.merged(x)
-    return mlp.down_proj(silu_mul(gate_up.reshape(-1, 2 * mlp.gate_proj.out_features)).view(*x.shape[:-1], -1))
+    act = silu_mul(gate_up.reshape(-1, 2 * mlp.gate_proj.out_features)).view(*x.shape[:-1], -1)
+    if residual is None:
+        return mlp.down_proj(act)
+    return mlp.down_proj.residual_forward(act, residual.contiguous())[0]
 
 
 def layer_forward(layer: DecoderLayer, x: torch.Tensor, batch) -> torch.Tensor:
-    """DecoderLayer.forward with the residual add and the second norm fused, and the MoE adding the residual."""
+    """DecoderLayer.forward with the residual add and the second norm fused, and the MoE (or the dense layer's MLP,
+    `residual_in_gemvs`) adding the residual."""
     if not 1 <= row_count(x) <= MAX_DECODE_ROWS:
         return DecoderLayer.forward(layer, x, batch)
     mixer = layer.self_attn if layer.layer_type == "full_attention" else layer.linear_attn
     norm = layer.post_attention_layernorm
-    if getattr(layer, "norm_in_gemvs", False) and isinstance(batch, SlotBatch):
+    dense_residual = DENSE_RESIDUAL_IN_GEMVS and getattr(layer, "residual_in_gemvs", False)
+    if isinstance(batch, SlotBatch) and (dense_residual or getattr(layer, "norm_in_gemvs", False)):
         h, sumsq = mixer.slot_step(layer.input_layernorm(x), batch, residual=x.contiguous())
+        if dense_residual:
+            return mlp_forward(layer.mlp, norm(h), residual=h)
         return layer.mlp(h, sumsq=sumsq, norm=norm)
     h, normed = add_rms_norm(x, mixer(layer.input_layernorm(x), batch), norm.weight, norm.eps)
     if getattr(layer.mlp, "adds_residual", False):
         return layer.mlp(normed, residual=h)
+    if dense_residual:
+        return mlp_forward(layer.mlp, normed, residual=h)
     return h + layer.mlp(normed)

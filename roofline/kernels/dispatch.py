@@ -288,7 +288,8 @@ def _install_merged_projections(model: torch.nn.Module, installed: Counter) -> N
 
 def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
     """Decoder layers, MoE blocks and MLPs with fewer launches for decode rows (blocks.py)."""
-    from .blocks import fused_router, layer_forward, mlp_forward, moe_forward, norm_in_gemvs
+    from .blocks import (DENSE_RESIDUAL_IN_GEMVS, fused_router, layer_forward, mlp_forward, moe_forward, norm_in_gemvs,
+                         residual_in_gemvs)
     from .int4_gemv import is_symmetric
     from .mixers import gdn_norm_in_out_proj
 
@@ -312,10 +313,15 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
     for module in model.modules():  # after the MoE blocks' own forwards, which norm_in_gemvs checks
         if isinstance(module, DecoderLayer):
             module.norm_in_gemvs = norm_in_gemvs(module, model.dtype)
+            module.residual_in_gemvs = residual_in_gemvs(module, model.dtype)
+            dense_residual = module.residual_in_gemvs and DENSE_RESIDUAL_IN_GEMVS
             if module.norm_in_gemvs:
                 installed["layer add + norm in out_proj's epilogue and the MoE GEMVs' prologues"] += 1
-                if module.layer_type != "full_attention" and gdn_norm_in_out_proj(module.linear_attn):
-                    installed["GDN gated norm's rms in out_proj"] += 1
+            if dense_residual:
+                installed["dense layer's residual adds in out_proj's and down_proj's epilogues"] += 1
+            if ((module.norm_in_gemvs or dense_residual) and module.layer_type != "full_attention"
+                    and gdn_norm_in_out_proj(module.linear_attn)):
+                installed["GDN gated norm's rms in out_proj"] += 1
     if apart:
         log.info("%d MoE routers run their GEMV and a separate top-k kernel: the router weight is neither dense "
                  "16-bit nor block FP8 with a decode kernel", apart)
