@@ -453,11 +453,12 @@ def test_freeze_startup_heap_puts_what_start_built_out_of_the_collectors_reach()
         gc.unfreeze()
 
 
-def check_dense_residuals(path, monkeypatch, device, dtype, tol, k=None, prompt=(5,), max_tokens=2):
-    """With blocks.DENSE_RESIDUAL_IN_GEMVS the dense model's out projections add the layer's input (finishing the
-    GDN's gated norm) and its down projections add h, in their epilogues, in every step (the verify's too); switched
-    off, add_rms_norm and a separate add run. The prefill's token is the same, and the next tokens' log-probabilities
-    (the first decoded token's top 5 too) agree within `tol` while both runs choose the same tokens."""
+def check_dense_residuals(path, monkeypatch, device, dtype, tol, k=None, prompt=(5,), max_tokens=2, pooled=True):
+    """With blocks.DENSE_RESIDUAL_IN_GEMVS the dense model's down projections add h in their epilogues, and on the
+    pooled step (`pooled`: the engine with CUDA graphs) its out projections add the layer's input (finishing the GDN's
+    gated norm), in every step (the verify's too); switched off, add_rms_norm and a separate add run. The prefill's
+    token is the same, and the next tokens' log-probabilities (the first decoded token's top 5 too) agree within `tol`
+    while both runs choose the same tokens."""
     from roofline.kernels import blocks, dispatch, mixers
 
     residual_calls, deferred = [], []
@@ -469,22 +470,25 @@ def check_dense_residuals(path, monkeypatch, device, dtype, tol, k=None, prompt=
     events = {}
     for on in (True, False):
         monkeypatch.setattr(blocks, "DENSE_RESIDUAL_IN_GEMVS", on)
-        engine = Engine.from_pretrained(str(path), device=device, dtype=dtype, cuda_graphs=True, max_num_seqs=1,
+        engine = Engine.from_pretrained(str(path), device=device, dtype=dtype, cuda_graphs=pooled, max_num_seqs=1,
                                         speculative=SpeculativeConfig(k) if k else None)
         cfg = engine.model.config
         engine.add(list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5))
         events[on] = []
         while engine.sequences:
             events[on] += [event for _, event in engine.step()]
-        if on:  # each step: each layer's out projection (K = its mixer's width) and down projection (K = I)
+        gdn_layers = sum(t == "linear_attention" for t in cfg.layer_types)
+        if on and pooled:  # each step: each layer's out projection (K = its mixer's width) and down projection (K = I)
             widths = {cfg.num_attention_heads * cfg.head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim}
             assert set(residual_calls) == widths | {cfg.intermediate_size}
-            gdn_layers = sum(t == "linear_attention" for t in cfg.layer_types)
             assert residual_calls.count(cfg.intermediate_size) * gdn_layers == len(deferred) * cfg.num_hidden_layers > 0
             assert all(d for d, _ in deferred), "the GDN kernel leaves its norm's rms to out_proj"
             assert not k or (k + 1) in {rows for _, rows in deferred}, "the verify steps take it too"
+        elif on:  # eager decode (no pool): the layer's add_rms_norm, then the down projection adds h
+            assert set(residual_calls) == {cfg.intermediate_size} and not deferred
         else:
-            assert not residual_calls and deferred and not any(d for d, _ in deferred), "off: add_rms_norm and the add"
+            assert not residual_calls and not any(d for d, _ in deferred), "off: add_rms_norm and the add"
+            assert bool(deferred) == pooled
         residual_calls.clear()
         deferred.clear()
         del engine
@@ -510,10 +514,11 @@ def test_dense_layers_add_their_residuals_in_the_int4_gemvs(tmp_path, monkeypatc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k", [None, 2])
-def test_dense_layers_add_their_residuals_in_the_int4_gemvs_gpu(tmp_path, monkeypatch, k):
-    """bf16, CUDA graphs, the tiny dense model's four layers with INT4 linears and GDN heads of 128 values; with MTP-2
-    the 3-row verify steps too: see check_dense_residuals."""
+@pytest.mark.parametrize("k,pooled", [(None, True), (2, True), (None, False)])
+def test_dense_layers_add_their_residuals_in_the_int4_gemvs_gpu(tmp_path, monkeypatch, k, pooled):
+    """bf16, the tiny dense model's four layers with INT4 linears and GDN heads of 128 values, on the pooled step in
+    CUDA graphs (with MTP-2 the 3-row verify steps too) and in eager decode: see check_dense_residuals."""
     path = write_random_checkpoint(tmp_path / "dense", seed=5, plan=DENSE_INT4_PLAN, moe=False,
                                    linear_value_head_dim=128, intermediate_size=384)
-    check_dense_residuals(path, monkeypatch, "cuda", "bfloat16", 0.06, k, prompt=PROMPTS[0], max_tokens=8)
+    check_dense_residuals(path, monkeypatch, "cuda", "bfloat16", 0.06, k, prompt=PROMPTS[0], max_tokens=8,
+                          pooled=pooled)
