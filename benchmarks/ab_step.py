@@ -1,7 +1,7 @@
 """Experiment: several A/B comparisons of the decode step in one process, on one synthetic model built once.
 
     PYTHONPATH=$PWD python benchmarks/ab_step.py --variants router-split,int4-split-verify [--shape qwen3.5-122b-a10b]
-        [--rounds 3] [--repeats 20]            (CUDA; JSON to $OUT/ab_step.json, else benchmarks/results/)
+        [--rounds 3] [--repeats 20] [--context 0]   (CUDA; JSON to $OUT/ab_step.json, else benchmarks/results/)
 
 Why: each `experiments.sh ab*` phase runs `bench synthetic` four times, and each run builds the 122B's random weights
 (~70 GB) again: ~8 minutes of a 30-minute device budget for one comparison. Every switch below is read when a kernel
@@ -223,9 +223,10 @@ def variant(name: str):
 
 
 def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: int | None = None,
-           device: str = "cuda", progress=print) -> dict:
-    """The comparison as a JSON-ready dict. On device "cpu" under TRITON_INTERPRET=1 (the tests' dry run on the tiny
-    shape) the kernels run in the interpreter in fp32 and nothing is captured."""
+           device: str = "cuda", progress=print, context: int = 0) -> dict:
+    """The comparison as a JSON-ready dict, with the sequence holding `context` tokens (random KV) before the timed
+    steps. On device "cpu" under TRITON_INTERPRET=1 (the tests' dry run on the tiny shape) the kernels run in the
+    interpreter in fp32 and nothing is captured."""
     import torch
 
     from roofline.bench.environment import environment
@@ -242,9 +243,11 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
     cuda = torch.device(device).type == "cuda"
     model, _ = build_synthetic_model(shape, resolve_layout(DEFAULT_LAYOUT, {"lm_head": "int8"}), device, layers=layers)
     fast = install_fast_path(model, allow_cpu=not cuda)
-    pool = CachePool(model.config, model.config.layer_types, 1, 4096, model.device, model.dtype, state_buffers=2)
+    # room past the context for every round's timed steps (each advances the sequence)
+    pool = CachePool(model.config, model.config.layer_types, 1, context + 4096, model.device, model.dtype,
+                     state_buffers=2)
     cache = pool.acquire()
-    fill_context(SyntheticRun(model, pool, None, cache, None), 0)
+    fill_context(SyntheticRun(model, pool, None, cache, None), context)
 
     def measure(name: str, repeats: int) -> dict:
         with variant(name):
@@ -270,7 +273,8 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
             t = times[name]
             progress(f"round {r} {name:16s} M=1 graph {t['m1_graph_ms'][-1]:.3f} ms, M=3 graph {t['m3_graph_ms'][-1]:.3f} ms")
     summary = {name: {key: statistics.median(values) for key, values in t.items()} for name, t in times.items()}
-    return {"benchmark": "ab_step", "shape": shape, "layers": layers, "environment": environment(device),
+    return {"benchmark": "ab_step", "shape": shape, "layers": layers, "context": context,
+            "environment": environment(device),
             "kernels": dict(fast.installed), "rounds": rounds, "repeats": repeats,
             "variants": {name: VARIANTS[name][0] if name != "default" else "defaults" for name in names},
             "median": summary, "per_round": times,
@@ -285,8 +289,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--context", type=int, default=0, help="tokens the sequence holds before the timed steps")
     args = ap.parse_args()
-    result = run_ab(args.shape, [v for v in args.variants.split(",") if v], args.rounds, args.repeats, args.layers)
+    result = run_ab(args.shape, [v for v in args.variants.split(",") if v], args.rounds, args.repeats, args.layers,
+                    context=args.context)
     base = result["median"]["default"]
     for name, s in result["median"].items():
         print(f"{name:16s} M=1 {s['m1_graph_ms']:.3f} ms ({s['m1_graph_ms'] - base['m1_graph_ms']:+.3f}), "

@@ -336,16 +336,17 @@ def test_every_part_of_the_table_runs_on_the_tiny_shape_in_the_interpreter():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's dry run; the device runs experiments.sh ab")
 def test_ab_step_runs_its_rounds_on_the_tiny_shape_in_the_interpreter():
     """benchmarks/ab_step.py's comparison end to end on the tiny shape's first layer (kernels in the interpreter,
-    nothing captured): the default and each variant timed at M = 1 and M = 3 every round, the flags back to their
-    defaults after."""
+    nothing captured), here behind a 40-token context: the default and each variant timed at M = 1 and M = 3 every
+    round, the flags back to their defaults after."""
     pytest.importorskip("triton")
     from roofline.kernels import blocks
 
     ab = _ab_step()
     before = blocks.FUSED_ROUTE_ROWS
     r = ab.run_ab("tiny", ["router-two-rows"], rounds=1, repeats=1, layers=1, device="cpu",  # one layer: CI's time
-                  progress=lambda _: None)
+                  progress=lambda _: None, context=40)
     assert blocks.FUSED_ROUTE_ROWS == before and r["variants"]["router-two-rows"] == "ROOFLINE_ROUTER_ROWS=2"
+    assert r["context"] == 40
     for name in ("default", "router-two-rows"):
         assert all(len(v) == 1 and v[0] > 0 for v in r["per_round"][name].values()), name
         assert set(r["median"][name]) == {"m1_graph_ms", "m3_graph_ms", "m1_step_ms", "m3_step_ms"}
