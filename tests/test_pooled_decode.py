@@ -296,6 +296,37 @@ def test_cuda_graph_greedy_tokens_equal_reference(checkpoint, k):
     assert captures() == made > 0, "no step waited for a capture"
 
 
+def spy_gdn_decode(monkeypatch) -> list:
+    """Record (defer_norm, tokens_per_seq) of every mixers.gdn_decode call, which still runs."""
+    from roofline.kernels import mixers
+
+    calls, run_gdn = [], mixers.gdn_decode
+    monkeypatch.setattr(mixers, "gdn_decode", lambda *a, **kw: calls.append(
+        (kw["defer_norm"], kw["tokens_per_seq"])) or run_gdn(*a, **kw))
+    return calls
+
+
+def greedy_events(engine, prompt, max_tokens: int) -> list:
+    """One greedy sequence's token events (with 5 top log-probabilities each), stepped to its end."""
+    engine.add(list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5))
+    events = []
+    while engine.sequences:
+        events += [event for _, event in engine.step()]
+    return events
+
+
+def assert_same_logprobs(got: list, want: list, tol: float) -> None:
+    """The first decoded token's (after the prefill's) top-5 log-probabilities agree within `tol`, and so does each
+    later token's log-probability while both runs chose the same tokens."""
+    top_got, top_want = dict(got[1].top_logprobs), dict(want[1].top_logprobs)
+    assert set(top_got) == set(top_want)  # the top 5 of a random model's flat distribution: their order may flip on a tie
+    assert [top_got[t] for t in top_want] == pytest.approx(list(top_want.values()), abs=tol)
+    for g, w in zip(got[1:], want[1:]):
+        if g.token_id != w.token_id:
+            break
+        assert g.logprob == pytest.approx(w.logprob, abs=tol)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [None, 2])
 def test_gdn_norm_in_out_proj_keeps_the_tokens_logprobs_gpu(tmp_path, monkeypatch, k):
@@ -306,32 +337,20 @@ def test_gdn_norm_in_out_proj_keeps_the_tokens_logprobs_gpu(tmp_path, monkeypatc
     from roofline.kernels import mixers
 
     path = write_random_checkpoint(tmp_path / "dv128", seed=3, plan=INT4_PLAN, linear_value_head_dim=128)
-    calls = []
-    run_gdn = mixers.gdn_decode
-    monkeypatch.setattr(mixers, "gdn_decode", lambda *a, **kw: calls.append(
-        (kw["defer_norm"], kw["tokens_per_seq"])) or run_gdn(*a, **kw))
+    calls = spy_gdn_decode(monkeypatch)
     events = {}
     for defer in (True, False):
         monkeypatch.setattr(mixers, "GDN_NORM_IN_OUT_PROJ", defer)
         engine = Engine.from_pretrained(str(path), device="cuda", dtype="bfloat16", cuda_graphs=True, max_num_seqs=1,
                                         speculative=SpeculativeConfig(k) if k else None)
-        engine.add(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, logprobs=5))
-        events[defer] = []
-        while engine.sequences:
-            events[defer] += [event for _, event in engine.step()]
+        events[defer] = greedy_events(engine, PROMPTS[0], 8)
         deferred_rows = {rows for deferred, rows in calls if deferred}
         assert (k or 0) + 1 in deferred_rows if defer else not deferred_rows, \
             "the deferred norm runs exactly when switched on, in the verify steps too"
         calls.clear()
         del engine
     assert events[True][0] == events[False][0], "the prefill's token: the same path"
-    got, want = dict(events[True][1].top_logprobs), dict(events[False][1].top_logprobs)
-    assert set(got) == set(want)  # the top 5 of a random model's flat distribution: their order may flip on a tie
-    assert [got[t] for t in want] == pytest.approx(list(want.values()), abs=0.06)
-    for g, w in zip(events[True][1:], events[False][1:]):  # later tokens while both runs chose the same ones
-        if g.token_id != w.token_id:
-            break
-        assert g.logprob == pytest.approx(w.logprob, abs=0.06)
+    assert_same_logprobs(events[True], events[False], 0.06)
 
 
 def run_schedule(engine, schedule):
@@ -459,28 +478,23 @@ def check_dense_residuals(path, monkeypatch, device, dtype, tol, k=None, prompt=
     gated norm), in every step (the verify's too); switched off, add_rms_norm and a separate add run. The prefill's
     token is the same, and the next tokens' log-probabilities (the first decoded token's top 5 too) agree within `tol`
     while both runs choose the same tokens."""
-    from roofline.kernels import blocks, dispatch, mixers
+    from roofline.kernels import blocks, dispatch
 
-    residual_calls, deferred = [], []
-    run_residual, run_gdn = dispatch._int4_residual, mixers.gdn_decode
+    residual_calls, run_residual = [], dispatch._int4_residual
     monkeypatch.setattr(dispatch, "_int4_residual", lambda weight, *a, **kw: residual_calls.append(
         weight.in_features) or run_residual(weight, *a, **kw))  # bound per weight at install: patched before it
-    monkeypatch.setattr(mixers, "gdn_decode", lambda *a, **kw: deferred.append(
-        (kw["defer_norm"], kw["tokens_per_seq"])) or run_gdn(*a, **kw))
+    deferred = spy_gdn_decode(monkeypatch)
     events = {}
     for on in (True, False):
         monkeypatch.setattr(blocks, "DENSE_RESIDUAL_IN_GEMVS", on)
         engine = Engine.from_pretrained(str(path), device=device, dtype=dtype, cuda_graphs=pooled, max_num_seqs=1,
                                         speculative=SpeculativeConfig(k) if k else None)
         cfg = engine.model.config
-        engine.add(list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5))
-        events[on] = []
-        while engine.sequences:
-            events[on] += [event for _, event in engine.step()]
-        gdn_layers = sum(t == "linear_attention" for t in cfg.layer_types)
+        events[on] = greedy_events(engine, prompt, max_tokens)
         if on and pooled:  # each step: each layer's out projection (K = its mixer's width) and down projection (K = I)
             widths = {cfg.num_attention_heads * cfg.head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim}
             assert set(residual_calls) == widths | {cfg.intermediate_size}
+            gdn_layers = sum(t == "linear_attention" for t in cfg.layer_types)
             assert residual_calls.count(cfg.intermediate_size) * gdn_layers == len(deferred) * cfg.num_hidden_layers > 0
             assert all(d for d, _ in deferred), "the GDN kernel leaves its norm's rms to out_proj"
             assert not k or (k + 1) in {rows for _, rows in deferred}, "the verify steps take it too"
@@ -493,13 +507,7 @@ def check_dense_residuals(path, monkeypatch, device, dtype, tol, k=None, prompt=
         deferred.clear()
         del engine
     assert events[True][0].token_id == events[False][0].token_id, "the prefill's token"
-    got, want = dict(events[True][1].top_logprobs), dict(events[False][1].top_logprobs)
-    assert set(got) == set(want)  # the top 5 of a random model's flat distribution: their order may flip on a tie
-    assert [got[t] for t in want] == pytest.approx(list(want.values()), abs=tol)
-    for g, w in zip(events[True][1:], events[False][1:]):
-        if g.token_id != w.token_id:
-            break
-        assert g.logprob == pytest.approx(w.logprob, abs=tol)
+    assert_same_logprobs(events[True], events[False], tol)
 
 
 @cpu
