@@ -443,7 +443,7 @@ def bench_attention(b: Bench, quick: bool):
         caches = [(torch.randn(1, ctx, hkv, d, device="cuda", dtype=torch.bfloat16),
                    torch.randn(1, ctx, hkv, d, device="cuda", dtype=torch.bfloat16)) for _ in range(n_sets)]
         lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
-        for m in (1, 4) if not quick else (1,):
+        for m in (1, 2, 4) if not quick else (1,):
             q = torch.randn(1, m, hq, d, device="cuda", dtype=torch.bfloat16)
             nbytes = kv_bytes + 2 * q.numel() * 2
             shape = f"attn ctx={ctx} M={m} {hq}q/{hkv}kv d{d}"
@@ -452,9 +452,11 @@ def bench_attention(b: Bench, quick: bool):
                 return Rotor(lambda k, v: decode_attention(q, k, v, lens, max_len=ctx, config=cfg), caches)
 
             if b.sweep:
-                # around the default (BT32, 3 stages, 4 warps, one program per SM: 32K at ~0.45 of copy in the step,
-                # NOTES-kernels session 16): more warps, deeper or wider tiles, two programs per SM
+                # around the default (BT32, 3 stages, 4 warps at one token and 8 at 2-4, one program per SM: 32K at
+                # ~0.45 of copy in the step, NOTES-kernels session 16): more warps, deeper or wider tiles, two
+                # programs per SM; 2 stages on 8 warps was the 2-4 token default before session 37
                 b.try_configs("decode_attention", shape, nbytes, make, [
+                    ("BT32 st2 w8 pps1", {"BT": 32, "num_stages": 2, "num_warps": 8, "programs_per_sm": 1}),
                     ("BT32 st3 w8 pps1", {"BT": 32, "num_stages": 3, "num_warps": 8, "programs_per_sm": 1}),
                     ("BT64 st3 w8 pps1", {"BT": 64, "num_stages": 3, "num_warps": 8, "programs_per_sm": 1}),
                     ("BT64 st2 w4 pps1", {"BT": 64, "num_stages": 2, "programs_per_sm": 1}),

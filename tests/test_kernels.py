@@ -222,17 +222,36 @@ def test_int4_tc_asm_layout():
 def test_fast_path_kernels_compile_for_the_h200_and_the_dgx_spark():
     """Compiled without a GPU as the JIT would (aligned pointers), every fast-path kernel at its GPU configuration
     builds for sm_90 and for the DGX Spark's sm_121 within a block's shared memory there (~99 KB against 227); a
-    configuration that needs more (attention's 64-key tiles in 3 stages) is reported for sm_121 alone."""
+    configuration that needs more (attention's 64-key tiles in 3 stages) is reported for sm_121 alone. The verify
+    rows' attention tile takes 3 pipeline stages on sm_90 and 2 on sm_121, and both fit."""
     out = compile_only("""
 from roofline.kernels import targets
 print(targets.check_targets((90, 121)))
-name, fn, consts, *rest = [c for c in targets._cases() if c[0] == "decode attention M=1"][0]
-targets._cases = lambda: [(name, fn, {**consts, "BT": 64}, rest[0], rest[1], 8, 3)]
+print([(arch, c[0]) for arch in (90, 121) for c in targets._cases(arch) if c[0].startswith("decode attention M=4")])
+name, fn, consts, *rest = [c for c in targets._cases(90) if c[0].startswith("decode attention M=1")][0]
+targets._cases = lambda arch: [(name, fn, {**consts, "BT": 64}, rest[0], rest[1], 8, 3)]
 print(targets.check_targets((90, 121)))
 """)
-    clean, oversized = out.strip().splitlines()[-2:]
+    clean, wide, oversized = out.strip().splitlines()[-3:]
     assert clean == "[]", clean
+    assert wide == str([(90, "decode attention M=4 (3 stages)"), (121, "decode attention M=4 (2 stages)")]), wide
     assert "sm_121 decode attention M=1" in oversized and "sm_90" not in oversized, oversized
+
+
+def test_decode_attention_pipeline_stages_by_shared_memory():
+    """3 K/V stages where a block holds them: the one-token tile and the 2-token (32-row) tile everywhere, the 3-4
+    token (64-row) tile only with more than a GB10 block's ~99 KB; WIDE_TILE_STAGES = 2 is the rule before."""
+    from roofline.kernels import decode_attention as da
+
+    hopper, gb10 = 227 * 1024, 99 * 1024
+    assert [da.pipeline_stages(bq, hopper) for bq in (16, 32, 64)] == [3, 3, 3]
+    assert [da.pipeline_stages(bq, gb10) for bq in (16, 32, 64)] == [3, 3, 2]
+    saved = da.WIDE_TILE_STAGES
+    try:
+        da.WIDE_TILE_STAGES = 2
+        assert [da.pipeline_stages(bq, hopper) for bq in (16, 32, 64)] == [3, 2, 2]
+    finally:
+        da.WIDE_TILE_STAGES = saved
 
 
 def compile_only(code: str) -> str:

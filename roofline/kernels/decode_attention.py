@@ -22,6 +22,7 @@ sequence b reads row slots[b]; without it, row b.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -159,14 +160,40 @@ def _decode_attn_merge_kernel(
             ((b * M + tok) * GATE_ROW + head * GATE_HEAD + dd)[None, :], HAS_GATE)
 
 
-def default_config() -> dict:
+# K/V pipeline stages of the query tiles wider than 16 rows (2-4 tokens of a 16-head group: the MTP verify step), where
+# a block's shared memory holds them. H100, session 37 (`kernels.py --only attn`, 4 query tokens, 32q/2kv, d 256):
+# 36.5 us at 3 stages against 51.3 at 2 over 32K keys, 21.3 against 26.7 over 8K. At 3 stages the 64-row tile takes
+# ~128 KB of shared memory (offline compile for sm_90): more than a GB10 (sm_121) block's ~99 KB, which keeps 2 there;
+# the 32-row tile takes ~82 KB, which fits both. `WIDE_TILE_STAGES = 2` is the rule before session 37.
+WIDE_TILE_STAGES = 3
+WIDE_TILE_SHARED = 160 * 1024  # a block's shared memory from which the 64-row tile takes WIDE_TILE_STAGES
+
+
+def pipeline_stages(bq: int, shared_per_block: int) -> int:
+    """The K/V pipeline stages of a query tile of `bq` rows on a device whose blocks have `shared_per_block` bytes of
+    shared memory (the GPU configuration; targets.py compiles what this picks for each target)."""
+    if bq <= 16:
+        return 3
+    return WIDE_TILE_STAGES if bq <= 32 or shared_per_block >= WIDE_TILE_SHARED else 2
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_per_block(index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def default_config(bq: int = 16, device=None) -> dict:
     """One program per SM (B x Hkv x splits); the merge launch reads every split's partial of its slice at once,
-    so its time barely grows with the split count."""
+    so its time barely grows with the split count. `bq`: the query tile's rows (heads of a group x tokens)."""
     if INTERPRET:
         return {"BT": 16, "num_warps": 1, "num_stages": 1}
+    device = torch.device("cuda" if device is None else device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
     # min_keys_per_split: at short spans (the 1K bucket at context ~0) one split per SM left ~60 programs
     # mostly empty, and their partials and the in-kernel merge of then cost ~35 us per layer (H200 profile, 2026-12-03)
-    return {"BT": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 1.0, "min_keys_per_split": 256}
+    return {"BT": 32, "num_warps": 4 if bq < 32 else 8,  # the [BQ, D] fp32 accumulator needs 8 warps' registers
+            "num_stages": pipeline_stages(bq, _shared_per_block(index)), "programs_per_sm": 1.0,
+            "min_keys_per_split": 256}
 
 
 def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None, *, max_len: int | None = None, out=None,
@@ -188,12 +215,7 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None, *
         raise ValueError(f"{bsz} sequences but only {k_cache.shape[0]} cache rows")
     hg = hq // hkv
     bq = max(16, next_pow2(hg * m))
-    cfg = default_config()
-    if bq > 16 and not INTERPRET:
-        # shared memory: 3 stages of K/V tiles plus a wider q exceed the ~99 KB of an SM 12.x block
-        cfg["num_stages"] = 2
-    if bq >= 32 and not INTERPRET:  # the [BQ, D] fp32 accumulator needs the registers of 8 warps
-        cfg["num_warps"] = 8
+    cfg = default_config(bq, q.device)
     cfg.update(config or {})
     bd = max(16, next_pow2(d))
     bt = cfg["BT"]

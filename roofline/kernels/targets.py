@@ -22,11 +22,11 @@ NOT_DIV16 = {"HKV", "NSPLIT", "A_ROW_DIV", "M", "T", "SPLIT_K", "GROUPS", "GPS",
              "S_COLS", "WS_STRIDE", "C", "row_in", "row_out", "first_record", "kept"}
 
 
-def _cases():
-    """(name, jit function, constexprs, pointer types, float args, num_warps, num_stages) at the GPU configs."""
+def _cases(arch: int):
+    """(name, jit function, constexprs, pointer types, float args, num_warps, num_stages) at sm_`arch`'s GPU configs."""
     import triton.language as tl
 
-    from .decode_attention import _decode_attn_kernel, _decode_attn_merge_kernel
+    from .decode_attention import _decode_attn_kernel, _decode_attn_merge_kernel, pipeline_stages
     from .fp8_gemv import _fp8_gemv_kernel
     from .gdn_decode import _gdn_decode_kernel, _gdn_replay_kernel
     from .int4_gemm import _grouped_kernel
@@ -37,8 +37,9 @@ def _cases():
               {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*fp32"}, (), 2, 3)]
     attn = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "len_ptr": "*i32", "slot_ptr": "*i32",
             "out_ptr": "*bf16", "ws_ptr": "*fp32", "gate_ptr": "*bf16"}
-    for m, bq, warps, stages in [(1, 16, 4, 3), (2, 32, 8, 2), (4, 64, 8, 2)]:  # decode_attention's choices by rows
-        cases.append((f"decode attention M={m}", _decode_attn_kernel,
+    for m, bq, warps in [(1, 16, 4), (2, 32, 8), (4, 64, 8)]:  # decode_attention's choices by rows
+        stages = pipeline_stages(bq, SHARED_LIMIT[arch])
+        cases.append((f"decode attention M={m} ({stages} stages)", _decode_attn_kernel,
                       {"M": m, "HG": 16, "BQ": bq, "BD": 256, "BT": 32, "HAS_SLOTS": True, "HAS_GATE": True,
                        "PDL": True}, attn, ("scale_log2",), warps, stages))
     cases.append(("decode attention merge", _decode_attn_merge_kernel,
@@ -104,7 +105,7 @@ def check_targets(archs=(90, 121)) -> list[str]:
     """Compile every case for each sm_`arch`; a line per kernel that fails or overflows the target's shared memory."""
     problems = []
     for arch in archs:
-        for name, fn, consts, pointers, floats, warps, stages in _cases():
+        for name, fn, consts, pointers, floats, warps, stages in _cases(arch):
             sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a in floats else "i32")
                    for a in fn.arg_names}
             aligned = {a for a in fn.arg_names if a not in consts and a not in floats and a not in NOT_DIV16}
