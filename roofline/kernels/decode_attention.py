@@ -167,6 +167,9 @@ def _decode_attn_merge_kernel(
 # the 32-row tile takes ~82 KB, which fits both. `WIDE_TILE_STAGES = 2` is the rule before session 37.
 WIDE_TILE_STAGES = 3
 WIDE_TILE_SHARED = 160 * 1024  # a block's shared memory from which the 64-row tile takes WIDE_TILE_STAGES
+# Programs a SM that the splits of all sequences' kv heads add up to (one each: ~0.77 of copy alone over 32K keys on
+# an H100, session 37; two were slower alone).
+PROGRAMS_PER_SM = 1.0
 
 
 def pipeline_stages(bq: int, shared_per_block: int) -> int:
@@ -192,7 +195,7 @@ def default_config(bq: int = 16, device=None) -> dict:
     # min_keys_per_split: at short spans (the 1K bucket at context ~0) one split per SM left ~60 programs
     # mostly empty, and their partials and the in-kernel merge of then cost ~35 us per layer (H200 profile, 2026-12-03)
     return {"BT": 32, "num_warps": 4 if bq < 32 else 8,  # the [BQ, D] fp32 accumulator needs 8 warps' registers
-            "num_stages": pipeline_stages(bq, _shared_per_block(index)), "programs_per_sm": 1.0,
+            "num_stages": pipeline_stages(bq, _shared_per_block(index)), "programs_per_sm": PROGRAMS_PER_SM,
             "min_keys_per_split": 256}
 
 
