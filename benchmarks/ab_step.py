@@ -195,8 +195,6 @@ VARIANTS = {
                              [("roofline.kernels.blocks", "DENSE_RESIDUAL_IN_GEMVS", False)]),
     # session 37: the decode attention's 2-4 token tiles (the verify step's) in 2 K/V pipeline stages, the rule before
     "attention-wide-2-stages": _module_setting("roofline.kernels.decode_attention", "WIDE_TILE_STAGES", 2),
-    # session 37: the decode attention's splits at two programs a SM (smaller shares, for balance inside the step)
-    "attention-2-per-sm": _module_setting("roofline.kernels.decode_attention", "PROGRAMS_PER_SM", 2.0),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),

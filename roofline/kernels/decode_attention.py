@@ -167,8 +167,8 @@ def _decode_attn_merge_kernel(
 # the 32-row tile takes ~82 KB, which fits both. `WIDE_TILE_STAGES = 2` is the rule before session 37.
 WIDE_TILE_STAGES = 3
 WIDE_TILE_SHARED = 160 * 1024  # a block's shared memory from which the 64-row tile takes WIDE_TILE_STAGES
-# Programs a SM that the splits of all sequences' kv heads add up to (one each: ~0.77 of copy alone over 32K keys on
-# an H100, session 37; two were slower alone).
+# Programs a SM that the splits of all sequences' kv heads add up to. One: ~0.77 of copy alone over 32K keys on an
+# H100 (session 37); two were slower alone and in the 122B step at 32K (+0.026 ms, ab_step, 3 rounds).
 PROGRAMS_PER_SM = 1.0
 
 
