@@ -1,4 +1,5 @@
-"""Experiment: a decoded token's sampling on the GPU, PyTorch's filters against the fused draw (ROOFLINE_FUSED_SAMPLING).
+"""Experiment: a decoded token's sampling on the GPU, PyTorch's kernels against the fused ones (ROOFLINE_FUSED_SAMPLING:
+the draw, and the argmax and logsumexp of `row_stats`).
 
     PYTHONPATH=$PWD python benchmarks/sampling.py      (CUDA; JSON to $OUT/sampling.json)
 

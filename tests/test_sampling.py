@@ -328,3 +328,75 @@ def test_the_fused_draw_on_the_gpu(monkeypatch):
         sample(logits, params, [make_generator(i, "cuda") for i in range(3)])
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_row_stats_is_the_rows_argmax_and_logsumexp():
+    """kernels/sample_draw.row_stats (Triton's interpreter here, 64-score chunks): each row's argmax with the lowest
+    index on ties, also between chunks, its logsumexp and the argmax's log-probability, on a row-sliced view, on a
+    vocabulary that is no multiple of the chunk, and on a row of -inf but two scores."""
+    pytest.importorskip("triton")
+    from roofline.kernels.sample_draw import row_stats
+
+    x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(3)) * 3
+    x[1, [200, 10, 70]] = x[1].max() + 1  # ties in three chunks: 10 wins
+    x[2, [130, 129]] = x[2].max() + 1  # ties inside one chunk: 129 wins
+    x[3] = -math.inf
+    x[3, [777, 5]] = 1.5
+    x[4, 999] = x[4].max() + 2  # the last, partial chunk
+    view = x[1:]  # rows 1000 apart, not the first row of the storage
+    stats = row_stats(view)
+    assert stats.ids.tolist() == view.argmax(-1).tolist() == [10, 129, 5, 999]
+    torch.testing.assert_close(stats.log_z, torch.logsumexp(view, -1, keepdim=True), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stats.top_logprob, view.max(-1).values - torch.logsumexp(view, -1), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="fp32 scores"):
+        row_stats(x.half())
+
+
+@pytest.mark.parametrize("rows", ["greedy", "mixed", "penalised"])
+def test_the_fused_argmax_and_logsumexp_give_the_pytorch_tokens_and_logprobs(monkeypatch, rows):
+    """The sampler with ROOFLINE_FUSED_SAMPLING (row_stats and the fused draw, Triton's interpreter here) against
+    PyTorch's: the same tokens, and the same logprobs and top logprobs within fp32 rounding, for greedy rows, greedy
+    rows beside sampled ones, and penalised greedy rows (argmax over the penalised scores, logprobs of the raw ones)."""
+    pytest.importorskip("triton")
+    from roofline.engine import sampling
+
+    logits = torch.randn(3, 3000, generator=torch.Generator().manual_seed(11)) * 2
+    logits[0, [2000, 40]] = logits[0].max() + 1  # a tie: 40
+    greedy = SamplingParams(temperature=0.0, logprobs=3)
+    params = {"greedy": [greedy] * 3,
+              "mixed": [greedy, SamplingParams(temperature=0.7, top_k=20, logprobs=2), greedy],
+              "penalised": [SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=1)] * 3}[rows]
+    histories = [[40, 7], [int(logits[1].argmax()), 3], [9]] if rows == "penalised" else None
+
+    def result(fused):
+        monkeypatch.setattr(sampling, "FUSED_SAMPLING", fused)
+        monkeypatch.setattr(sampling, "FUSED_SAMPLING_DEVICES", ("cpu",))
+        r = sample(logits, params, [make_generator(1)] * 3, histories, [1, 1, 1] if histories else None)
+        return r.token_ids.tolist(), r.logprobs, r.top_logprobs.values, r.top_logprobs.ids
+
+    ids, logprobs, top_values, top_ids = result(True)
+    want_ids, want_logprobs, want_top_values, want_top_ids = result(False)
+    assert ids == want_ids
+    if rows == "greedy":
+        assert ids[0] == 40
+    if rows == "penalised":  # the penalty moved row 1 off its raw argmax
+        assert ids[1] != int(logits[1].argmax())
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(top_values, want_top_values, rtol=1e-6, atol=1e-6)
+    assert torch.equal(top_ids, want_top_ids)
+
+
+@pytest.mark.gpu
+def test_row_stats_on_the_gpu():
+    """row_stats at the 122B's vocabulary (4096-score chunks): torch's argmax (ties across chunks) and logsumexp."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from roofline.kernels.sample_draw import row_stats
+
+    x = torch.randn(4, 248320, device="cuda") * 3
+    x[1, [200000, 9000, 5000]] = x[1].max() + 1
+    x[3, -1] = x[3].max() + 1
+    stats = row_stats(x)
+    assert stats.ids.tolist() == x.argmax(-1).tolist() and stats.ids[1] == 5000
+    torch.testing.assert_close(stats.log_z, torch.logsumexp(x, -1, keepdim=True), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(stats.top_logprob, x.max(-1).values - torch.logsumexp(x, -1), rtol=1e-5, atol=1e-5)

@@ -22,8 +22,8 @@ _GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition
 _GREEDY_TEMPERATURE = 1e-5
 # A sampled row with a top_k drawn in one launch after its top-k (kernels/sample_draw.py) instead of ~20 PyTorch
 # kernels (H100, benchmarks/sampling.py: 102 against 131 us of kernel time a token, 355 against 679 us of back-to-back
-# calls, the same tokens); ROOFLINE_FUSED_SAMPLING=0 opts out. The devices it runs on (tests add "cpu", where Triton's
-# interpreter runs it).
+# calls, the same tokens), and every row's argmax and logsumexp in one launch (`row_stats`, session 37) instead of
+# ~15; ROOFLINE_FUSED_SAMPLING=0 opts out. The devices it runs on (tests add "cpu", where Triton's interpreter runs it).
 FUSED_SAMPLING = os.environ.get("ROOFLINE_FUSED_SAMPLING", "1") != "0"
 FUSED_SAMPLING_DEVICES = ("cuda",)
 
@@ -180,8 +180,17 @@ class Sampler:
         logits32 = logits.float()
         scores = _apply_penalties(logits32, params_list, token_histories, prompt_lens)
         sampled_rows = [i for i, p in enumerate(params_list) if not p.greedy]
+        # On the fused path one launch gives the raw logits' argmax and logsumexp (kernels/sample_draw.row_stats)
+        stats = None
+        if FUSED_SAMPLING and logits32.device.type in FUSED_SAMPLING_DEVICES and logits32.stride(-1) == 1:
+            from ..kernels.sample_draw import row_stats
+
+            stats = row_stats(logits32)
+        unpenalised_greedy = stats is not None and scores is logits32 and not sampled_rows
         if len(sampled_rows) == len(params_list):  # every row samples (one chat stream): no argmax, no row gather
             token_ids = _draw_filtered(scores, params_list, generators)
+        elif unpenalised_greedy:
+            token_ids = stats.ids
         else:
             # Greedy rows: the argmax itself (lowest index on ties, as `probabilities`' one-hot), with no [B, V]
             # one-hot or log-softmax written: this runs once per decoded token.
@@ -191,8 +200,11 @@ class Sampler:
                 token_ids[rows] = _draw_filtered(scores[rows], [params_list[i] for i in sampled_rows],
                                                  [generators[i] for i in sampled_rows])
 
-        log_z = torch.logsumexp(logits32, dim=-1, keepdim=True)
-        logprobs = (logits32.gather(1, token_ids[:, None]) - log_z).squeeze(1)
+        log_z = torch.logsumexp(logits32, dim=-1, keepdim=True) if stats is None else stats.log_z
+        if unpenalised_greedy:
+            logprobs = stats.top_logprob
+        else:
+            logprobs = (logits32.gather(1, token_ids[:, None]) - log_z).squeeze(1)
         return SampleResult(token_ids, logprobs, top_logprob_tensors(logits32, log_z, params_list))
 
 
