@@ -19,7 +19,7 @@ import sys
 SHARED_LIMIT = {90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024, 121: 99 * 1024}
 # Integer arguments that are not multiples of 16 in practice (counts of heads, splits, rows, steps).
 NOT_DIV16 = {"HKV", "NSPLIT", "A_ROW_DIV", "M", "T", "SPLIT_K", "GROUPS", "GPS", "HK", "NVB", "X_PER_ROW", "NT",
-             "S_COLS", "WS_STRIDE", "C", "row_in", "row_out", "first_record", "kept"}
+             "S_COLS", "WS_STRIDE", "C", "row_in", "row_out", "first_record", "kept", "CHUNKS"}
 
 
 def _cases(arch: int):
@@ -31,7 +31,7 @@ def _cases(arch: int):
     from .gdn_decode import _gdn_decode_kernel, _gdn_replay_kernel
     from .int4_gemm import _grouped_kernel
     from .int8_lm_head import _int8_rows_dot_kernel
-    from .sample_draw import PARAMS, _draw_candidates_kernel
+    from .sample_draw import PARAMS, ROW_CHUNK, _draw_candidates_kernel, _row_stats_kernel
 
     cases = [("int8 lm head (tensor cores, 32 x 256)", _int8_rows_dot_kernel, {"BV": 32, "BH": 256, "PDL": True},
               {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*fp32"}, (), 2, 3)]
@@ -84,6 +84,9 @@ def _cases(arch: int):
     cases.append(("sampling draw over 84 candidates (top_k 20)", _draw_candidates_kernel, {"BC": 128, "NP": PARAMS},
                   {"vals_ptr": "*fp32", "ids_ptr": "*i64", "noise_ptr": "*fp32", "params_ptr": "*fp32",
                    "out_ptr": "*i64"}, (), 4, 1))
+    cases.append(("a row's argmax and logsumexp (61 chunks of 4096)", _row_stats_kernel,
+                  {"BV": ROW_CHUNK, "CP": 64}, {"x_ptr": "*fp32", "ids_ptr": "*i64", "logz_ptr": "*fp32",
+                                                "lp_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}, (), 4, 1))
     return cases
 
 
