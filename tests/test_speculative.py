@@ -219,3 +219,23 @@ def test_sequences_compare_by_identity(checkpoint):
     assert a != b and engine.sequences.index(b) == 1
     engine.cancel(a)
     assert engine.sequences == [b]
+
+
+def test_the_fused_argmax_and_logsumexp_keep_the_verify_outcome(checkpoint, monkeypatch):
+    """A greedy verify takes its rows' argmax and logsumexp from kernels/sample_draw.row_stats where the fused sampling
+    kernels run (Triton's interpreter here): the same tokens and logprobs as PyTorch's argmax and logsumexp, and the
+    kernel really ran on the verify rows."""
+    pytest.importorskip("triton")
+    from roofline.engine import sampling
+    from roofline.kernels import sample_draw
+
+    rows_seen = []
+    real = sample_draw.row_stats
+    monkeypatch.setattr(sample_draw, "row_stats", lambda scores: rows_seen.append(scores.shape[0]) or real(scores))
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    plain = list(engine_for(checkpoint, 2).generate(PROMPTS[0], params))
+    monkeypatch.setattr(sampling, "FUSED_SAMPLING_DEVICES", ("cpu",))
+    fused = list(engine_for(checkpoint, 2).generate(PROMPTS[0], params))
+    assert [e.token_id for e in fused] == [e.token_id for e in plain]
+    assert [e.logprob for e in fused] == pytest.approx([e.logprob for e in plain], abs=1e-5)
+    assert 3 in rows_seen  # a verify of two drafts: 3 rows

@@ -180,12 +180,7 @@ class Sampler:
         logits32 = logits.float()
         scores = _apply_penalties(logits32, params_list, token_histories, prompt_lens)
         sampled_rows = [i for i, p in enumerate(params_list) if not p.greedy]
-        # On the fused path one launch gives the raw logits' argmax and logsumexp (kernels/sample_draw.row_stats)
-        stats = None
-        if FUSED_SAMPLING and logits32.device.type in FUSED_SAMPLING_DEVICES and logits32.stride(-1) == 1:
-            from ..kernels.sample_draw import row_stats
-
-            stats = row_stats(logits32)
+        stats = fused_row_stats(logits32)
         unpenalised_greedy = stats is not None and scores is logits32 and not sampled_rows
         if len(sampled_rows) == len(params_list):  # every row samples (one chat stream): no argmax, no row gather
             token_ids = _draw_filtered(scores, params_list, generators)
@@ -206,6 +201,16 @@ class Sampler:
         else:
             logprobs = (logits32.gather(1, token_ids[:, None]) - log_z).squeeze(1)
         return SampleResult(token_ids, logprobs, top_logprob_tensors(logits32, log_z, params_list))
+
+
+def fused_row_stats(logits32: torch.Tensor):
+    """The raw fp32 logits' argmax and logsumexp per row in one launch (kernels/sample_draw.row_stats) where the fused
+    sampling kernels run, else None (the caller runs PyTorch's)."""
+    if not (FUSED_SAMPLING and logits32.device.type in FUSED_SAMPLING_DEVICES and logits32.stride(-1) == 1):
+        return None
+    from ..kernels.sample_draw import row_stats
+
+    return row_stats(logits32)
 
 
 def _apply_penalties(logits, params_list, token_histories, prompt_lens) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import UserError
 from .cache import SequenceCache
-from .sampling import Sampler, device_tensor, draw, top_logprobs
+from .sampling import Sampler, device_tensor, draw, fused_row_stats, top_logprobs
 
 MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp", "deepseek_mtp")  # names vLLM accepts for this
 
@@ -264,10 +264,14 @@ class MtpSpeculator:
         m = k + 1
         ids = torch.cat([device_tensor(last_tokens, drafts.device)[:, None], drafts], 1)
         hidden, logits, keep = self._verify_forward(caches, ids)
-        tokens, accepted = self._accept(logits, ids, qs, params, histories, prompt_lens, generators)
-        # log p(token) = logit - logsumexp: two small reductions, not a log-softmax written over every row's vocabulary
-        scores = logits.float().view(b, m, -1)
-        token_logprobs = scores.gather(2, tokens[..., None]).squeeze(2) - torch.logsumexp(scores, dim=-1)
+        greedy = all(p.greedy and not p.penalised for p in params)
+        stats = fused_row_stats(logits.float()) if greedy else None  # every row's argmax and logsumexp, one launch
+        tokens, accepted = self._accept(logits, ids, qs, params, histories, prompt_lens, generators, stats)
+        if stats is not None:  # greedy rows' tokens are their argmax
+            token_logprobs = stats.top_logprob.view(b, m)
+        else:  # log p(token) = logit - logsumexp: two small reductions, not a log-softmax over every row's vocabulary
+            scores = logits.float().view(b, m, -1)
+            token_logprobs = scores.gather(2, tokens[..., None]).squeeze(2) - torch.logsumexp(scores, dim=-1)
         outcome = torch.cat([tokens.double(), accepted[:, None].double(), token_logprobs.double()], 1).tolist()  # one read
         want_top = any(p.logprobs is not None for p in params)
         raw = torch.log_softmax(logits, dim=-1) if want_top else None
@@ -291,17 +295,18 @@ class MtpSpeculator:
             keep(i, n)
         return results
 
-    def _accept(self, logits, ids, qs, params, histories, prompt_lens, generators) -> tuple[torch.Tensor, torch.Tensor]:
+    def _accept(self, logits, ids, qs, params, histories, prompt_lens, generators,
+                stats=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [B, k+1], accepted [B]) on the device: row i's first accepted[i] tokens are its accepted drafts and
-        the next one comes from the main model. Greedy rows accept drafts equal to the main model's argmax; sampled
-        rows accept d_j with probability min(1, p/q) and otherwise draw from the normalised positive part of p - q
-        (from p after the last draft)."""
+        the next one comes from the main model. Greedy rows accept drafts equal to the main model's argmax (`stats`'
+        ids where the fused kernel gave them); sampled rows accept d_j with probability min(1, p/q) and otherwise draw
+        from the normalised positive part of p - q (from p after the last draft)."""
         b, m = ids.shape
         drafts = ids[:, 1:]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         penalised = any(p.penalised for p in params)
         if not (sampled or penalised):
-            target = logits.view(b, m, -1).argmax(dim=-1)
+            target = logits.view(b, m, -1).argmax(dim=-1) if stats is None else stats.ids.view(b, m)
             accepted = _leading_true(target[:, :-1] == drafts)
             return target, accepted  # a greedy row's accepted drafts equal its argmax
         rows = [i for i in range(b) for _ in range(m)]
