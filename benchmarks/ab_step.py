@@ -195,6 +195,8 @@ VARIANTS = {
                              [("roofline.kernels.blocks", "DENSE_RESIDUAL_IN_GEMVS", False)]),
     # session 37: the decode attention's 2-4 token tiles (the verify step's) in 2 K/V pipeline stages, the rule before
     "attention-wide-2-stages": _module_setting("roofline.kernels.decode_attention", "WIDE_TILE_STAGES", 2),
+    # session 37: the attention splits' keys as shares of the graph's span, not of the sequence's length (before)
+    "attention-splits-by-span": _module_setting("roofline.kernels.decode_attention", "SPLIT_BY_LENGTH", False),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),
@@ -245,9 +247,12 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
     cuda = torch.device(device).type == "cuda"
     model, _ = build_synthetic_model(shape, resolve_layout(DEFAULT_LAYOUT, {"lm_head": "int8"}), device, layers=layers)
     fast = install_fast_path(model, allow_cpu=not cuda)
-    # room past the context for every round's timed steps (each advances the sequence)
-    pool = CachePool(model.config, model.config.layer_types, 1, context + 4096, model.device, model.dtype,
-                     state_buffers=2)
+    # room past the context for every round's timed steps (each advances the sequence), rounded up to a power of two
+    # as the engine's pools of max_model_len are: the decode graphs' attention span is the power-of-two bucket past the
+    # sequence (64K at a 32K context), as in `bench synthetic` and serving (before session 37: context + 4096, a 36K
+    # span at 32K)
+    capacity = 1 << (context + 4095).bit_length()
+    pool = CachePool(model.config, model.config.layer_types, 1, capacity, model.device, model.dtype, state_buffers=2)
     cache = pool.acquire()
     fill_context(SyntheticRun(model, pool, None, cache, None), context)
 

@@ -1171,7 +1171,12 @@ def check_attention(bsz, m, hq, hkv, d, cap, lengths, dtype, device, config=None
     (3, 2, 8, 2, 16, 40, [40, 2, 17], {"NSPLIT": 9}, 4),      # slots; a sequence whose keys fill one split
     (1, 3, 4, 1, 32, 30, [30], {"NSPLIT": 1}, 3),             # slots; one split: no merge launch
 ])
-def test_decode_attention_interpreter(bsz, m, hq, hkv, d, cap, lengths, config, pool):
+@pytest.mark.parametrize("by_length", [True, False])
+def test_decode_attention_interpreter(bsz, m, hq, hkv, d, cap, lengths, config, pool, by_length, monkeypatch):
+    """Splits sharing each sequence's own keys (SPLIT_BY_LENGTH, the default) or the span's (before)."""
+    from roofline.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "SPLIT_BY_LENGTH", by_length)
     check_attention(bsz, m, hq, hkv, d, cap, lengths, torch.float32 if m % 2 else torch.float16, "cpu", config,
                     tol=2e-3, pool=pool, gated=m > 1)
 

@@ -6,8 +6,8 @@ int: sequence b holds lengths[b] valid cache entries, the last M of which are it
 capacity; `max_len` (a host-side bound on lengths) sizes the grid, so a graph captured for one
 bound stays valid while lengths grow up to it.
 
-Flash-decoding: program (split, kv head, sequence) streams its share of the cache once for all
-Hq/Hkv query heads of the kv head and all M query tokens (rows = heads x tokens, padded to 16
+Flash-decoding: program (split, kv head, sequence) streams its share of the sequence's keys (NSPLIT
+shares of its length, `SPLIT_BY_LENGTH`) once for all Hq/Hkv query heads of the kv head and all M query tokens (rows = heads x tokens, padded to 16
 for the matrix unit), keeping an online softmax, and writes its partial (max, sum, output)
 triple; a second launch merges them, one program per (sequence and kv head, row, 64 output
 dims), each reading every split's partial of its slice at once. (Until 2026-12-03 the last split
@@ -71,7 +71,7 @@ def _decode_attn_kernel(
     q_ptr, k_ptr, v_ptr, len_ptr, slot_ptr, out_ptr, ws_ptr, gate_ptr, GATE_ROW, GATE_HEAD,
     T, HQ, HKV, D, KEYS_PER_SPLIT, scale_log2, NSPLIT,
     M: tl.constexpr, HG: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_SLOTS: tl.constexpr, HAS_GATE: tl.constexpr, BY_LENGTH: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     sp = tl.program_id(0)
@@ -90,8 +90,12 @@ def _decode_attn_kernel(
     dd = tl.arange(0, BD)
     dmask = dd < D
     q = tl.load(q_ptr + ((b * M + tok) * HQ + head)[:, None] * D + dd[None, :], mask=rmask[:, None] & dmask[None, :], other=0)
-    start = sp * KEYS_PER_SPLIT
-    end = tl.minimum(start + KEYS_PER_SPLIT, length)
+    if BY_LENGTH:  # the sequence's own keys in NSPLIT shares (whole tiles), whatever span the grid was sized for
+        keys_per_split = tl.cdiv(tl.cdiv(length, NSPLIT), BT) * BT
+    else:
+        keys_per_split = KEYS_PER_SPLIT
+    start = sp * keys_per_split
+    end = tl.minimum(start + keys_per_split, length)
     m_i = tl.full([BQ], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BQ], dtype=tl.float32)
     acc = tl.zeros([BQ, BD], dtype=tl.float32)
@@ -167,6 +171,11 @@ def _decode_attn_merge_kernel(
 # the 32-row tile takes ~82 KB, which fits both. `WIDE_TILE_STAGES = 2` is the rule before session 37.
 WIDE_TILE_STAGES = 3
 WIDE_TILE_SHARED = 160 * 1024  # a block's shared memory from which the 64-row tile takes WIDE_TILE_STAGES
+# Each sequence's keys are shared among the splits by its own length (read on the device), not by the span the grid was
+# sized for: a CUDA graph's span is a power-of-two bucket, so a sequence just past 32K tokens runs in the 64K bucket,
+# where splits of span / NSPLIT keys left half of them empty (half the SMs idle; the 27B's 32K graph 8.04 ms in the
+# table's 64K bucket against 7.35 in ab_step's 36K pool, H100, session 37). False: shares of the span (before).
+SPLIT_BY_LENGTH = True
 # Programs a SM that the splits of all sequences' kv heads add up to. One: ~0.77 of copy alone over 32K keys on an
 # H100 (session 37); two were slower alone and in the 122B step at 32K (+0.026 ms, ab_step, 3 rounds).
 PROGRAMS_PER_SM = 1.0
@@ -238,7 +247,7 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None, *
         q.contiguous(), k_cache, v_cache, lengths, slots if slots is not None else lengths, out, ws, *gate_args,
         t_cap, hq, hkv, d, keys_per_split, scale * 1.4426950408889634, nsplit,
         M=m, HG=hg, BQ=bq, BD=bd, BT=bt, HAS_SLOTS=slots is not None, HAS_GATE=gate is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device),
+        BY_LENGTH=SPLIT_BY_LENGTH, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device),
     )
     if nsplit > 1:
         dc = min(bd, cfg.get("merge_dims", 64))

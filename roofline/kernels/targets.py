@@ -41,7 +41,7 @@ def _cases(arch: int):
         stages = pipeline_stages(bq, SHARED_LIMIT[arch])
         cases.append((f"decode attention M={m} ({stages} stages)", _decode_attn_kernel,
                       {"M": m, "HG": 16, "BQ": bq, "BD": 256, "BT": 32, "HAS_SLOTS": True, "HAS_GATE": True,
-                       "PDL": True}, attn, ("scale_log2",), warps, stages))
+                       "BY_LENGTH": True, "PDL": True}, attn, ("scale_log2",), warps, stages))
     cases.append(("decode attention merge", _decode_attn_merge_kernel,
                   {"M": 1, "HG": 16, "BQ": 16, "BD": 256, "DC": 64, "SP": 128, "HAS_GATE": True, "PDL": True},
                   {"ws_ptr": "*fp32", "out_ptr": "*bf16", "gate_ptr": "*bf16"}, (), 4, 1))
