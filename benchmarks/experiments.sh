@@ -19,6 +19,8 @@
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
 #                                                   # experts kernels in 16-token chunks (~2 min)
 #   OUT=... bash benchmarks/experiments.sh attn     # decode attention's tile sweep at 8K / 32K (~2 min)
+#   OUT=... bash benchmarks/experiments.sh splits   # the attention splits by length against by span at 32K (27B,
+#                                                   # 122B; session 37) with the attention GPU tests (~4 min)
 #   OUT=... bash benchmarks/experiments.sh floor    # what a kernel costs in a captured PDL chain before any math:
 #                                                   # empty, one arrival round or atomic adds, pure streaming 2-32 MB,
 #                                                   # and (session 20) the whole share loaded before the wait (~2 min)
@@ -119,6 +121,15 @@ case "${1:-}" in
   attn)  # decode attention's tiles at 8K / 32K, M = 1 and 4 (the 32K row is ~0.45 of copy in the step), ~2 min
     timeout 300 python3 benchmarks/kernels.py --only attn 2>&1 | tail -40
     ;;
+  splits)  # session 37's attention splits shared by the sequence's length (SPLIT_BY_LENGTH) against the span's, at 32K
+    # where the 64K bucket left half of them empty: the attention GPU tests, then one ab_step process a shape (~4 min)
+    gpu_tests 120 tests/test_kernels.py -m gpu -k decode_attention
+    for shape in qwen3.5-27b qwen3.5-122b-a10b; do
+      OUT=$OUT/ab-tmp timeout 170 python3 benchmarks/ab_step.py --shape $shape --variants attention-splits-by-span \
+        --rounds 3 --context 32768 2>&1 | tail -3
+      mv "$OUT/ab-tmp/ab_step.json" "$OUT/ab-splits-$shape-32k.json" 2>/dev/null  # each its own file
+    done
+    ;;
   ab)  # predictions in NOTES-kernels "Session 17"; the JSON has every round
     timeout 300 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify,router-two-rows --rounds 3 2>&1 \
       | tail -30
@@ -154,7 +165,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|ab|trees|trees-ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|splits|ab|trees|trees-ab|ab-order" >&2
     exit 2
     ;;
 esac
