@@ -6,8 +6,9 @@ int: sequence b holds lengths[b] valid cache entries, the last M of which are it
 capacity; `max_len` (a host-side bound on lengths) sizes the grid, so a graph captured for one
 bound stays valid while lengths grow up to it.
 
-Flash-decoding: program (split, kv head, sequence) streams its share of the sequence's keys (NSPLIT
-shares of its length, `SPLIT_BY_LENGTH`) once for all Hq/Hkv query heads of the kv head and all M query tokens (rows = heads x tokens, padded to 16
+Flash-decoding: program (split, kv head, sequence) streams its share of the sequence's keys (one of
+NSPLIT shares of its length, `SPLIT_BY_LENGTH`) once for all Hq/Hkv query heads of the kv head and
+all M query tokens (rows = heads x tokens, padded to 16
 for the matrix unit), keeping an online softmax, and writes its partial (max, sum, output)
 triple; a second launch merges them, one program per (sequence and kv head, row, 64 output
 dims), each reading every split's partial of its slice at once. (Until 2026-12-03 the last split
