@@ -1,7 +1,8 @@
 """Experiment: several A/B comparisons of the decode step in one process, on one synthetic model built once.
 
     PYTHONPATH=$PWD python benchmarks/ab_step.py --variants router-split,int4-split-verify [--shape qwen3.5-122b-a10b]
-        [--rounds 3] [--repeats 20] [--context 0]   (CUDA; JSON to $OUT/ab_step.json, else benchmarks/results/)
+        [--rounds 3] [--repeats 20] [--context 0] [--out FILE]   (CUDA; JSON to FILE, else ab_step.json in $OUT,
+        else in benchmarks/results/)
 
 Why: each `experiments.sh ab*` phase runs `bench synthetic` four times, and each run builds the 122B's random weights
 (~70 GB) again: ~8 minutes of a 30-minute device budget for one comparison. Every switch below is read when a kernel
@@ -297,6 +298,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--context", type=int, default=0, help="tokens the sequence holds before the timed steps")
+    ap.add_argument("--out", default=None, help="the JSON's path (default: ab_step.json in $OUT, else "
+                                                "benchmarks/results/): runs in one call each need their own")
     args = ap.parse_args()
     result = run_ab(args.shape, [v for v in args.variants.split(",") if v], args.rounds, args.repeats, args.layers,
                     context=args.context)
@@ -304,10 +307,10 @@ def main():
     for name, s in result["median"].items():
         print(f"{name:16s} M=1 {s['m1_graph_ms']:.3f} ms ({s['m1_graph_ms'] - base['m1_graph_ms']:+.3f}), "
               f"M=3 {s['m3_graph_ms']:.3f} ms ({s['m3_graph_ms'] - base['m3_graph_ms']:+.3f})")
-    out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "ab_step.json").write_text(json.dumps(result, indent=1))
-    print("wrote", out_dir / "ab_step.json")
+    out = Path(args.out) if args.out else Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "ab_step.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print("wrote", out)
 
 
 if __name__ == "__main__":

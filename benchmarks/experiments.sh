@@ -125,9 +125,8 @@ case "${1:-}" in
     # where the 64K bucket left half of them empty: the attention GPU tests, then one ab_step process a shape (~4 min)
     gpu_tests 120 tests/test_kernels.py -m gpu -k decode_attention
     for shape in qwen3.5-27b qwen3.5-122b-a10b; do
-      OUT=$OUT/ab-tmp timeout 170 python3 benchmarks/ab_step.py --shape $shape --variants attention-splits-by-span \
-        --rounds 3 --context 32768 2>&1 | tail -3
-      mv "$OUT/ab-tmp/ab_step.json" "$OUT/ab-splits-$shape-32k.json" 2>/dev/null  # each its own file
+      timeout 170 python3 benchmarks/ab_step.py --shape $shape --variants attention-splits-by-span --rounds 3 \
+        --context 32768 --out "$OUT/ab-splits-$shape-32k.json" 2>&1 | tail -3
     done
     ;;
   ab)  # predictions in NOTES-kernels "Session 17"; the JSON has every round
@@ -147,9 +146,8 @@ case "${1:-}" in
       local tree=$1 pair=$2 path=$PWD commit=$ROOFLINE_COMMIT
       [ "$tree" = before ] && path=$PWD/.carry/before commit=$ROOFLINE_BEFORE
       echo "== $tree $pair"  # a script's imports search its folder, then PYTHONPATH: $path's roofline
-      PYTHONPATH=$path:$PYTHONPATH OUT=$OUT/ab-tmp ROOFLINE_COMMIT=$commit \
-        timeout 150 python3 benchmarks/ab_step.py --variants "${TREE_VARIANTS:-}" --rounds 3 2>&1 | tail -5
-      mv "$OUT/ab-tmp/ab_step.json" "$OUT/ab-$tree-$pair.json" 2>/dev/null
+      PYTHONPATH=$path:$PYTHONPATH ROOFLINE_COMMIT=$commit timeout 150 python3 benchmarks/ab_step.py \
+        --variants "${TREE_VARIANTS:-}" --rounds 3 --out "$OUT/ab-$tree-$pair.json" 2>&1 | tail -5
     }
     [ "$1" = trees ] && gpu_tests 150 tests/test_kernels.py -m gpu -k gdn
     trees_ab before 1
