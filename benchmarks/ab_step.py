@@ -239,6 +239,7 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
     from roofline.checkpoint.shapes import resolve_layout
     from roofline.engine.cache import CachePool
     from roofline.engine.graphs import DecodeGraphs
+    from roofline.kernels._common import next_pow2
     from roofline.kernels.dispatch import install_fast_path
 
     names = ["default"] + list(variants)
@@ -252,8 +253,8 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
     # as the engine's pools of max_model_len are: the decode graphs' attention span is the power-of-two bucket past the
     # sequence (64K at a 32K context), as in `bench synthetic` and serving (before session 37: context + 4096, a 36K
     # span at 32K)
-    capacity = 1 << (context + 4095).bit_length()
-    pool = CachePool(model.config, model.config.layer_types, 1, capacity, model.device, model.dtype, state_buffers=2)
+    pool = CachePool(model.config, model.config.layer_types, 1, next_pow2(context + 4096), model.device, model.dtype,
+                     state_buffers=2)
     cache = pool.acquire()
     fill_context(SyntheticRun(model, pool, None, cache, None), context)
 

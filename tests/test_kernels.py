@@ -238,7 +238,7 @@ print(targets.check_targets((90, 121)))
     assert "sm_121 decode attention M=1" in oversized and "sm_90" not in oversized, oversized
 
 
-def test_decode_attention_pipeline_stages_by_shared_memory():
+def test_decode_attention_pipeline_stages_by_shared_memory(monkeypatch):
     """3 K/V stages where a block holds them: the one-token tile and the 2-token (32-row) tile everywhere, the 3-4
     token (64-row) tile only with more than a GB10 block's ~99 KB; WIDE_TILE_STAGES = 2 is the rule before."""
     from roofline.kernels import decode_attention as da
@@ -246,12 +246,8 @@ def test_decode_attention_pipeline_stages_by_shared_memory():
     hopper, gb10 = 227 * 1024, 99 * 1024
     assert [da.pipeline_stages(bq, hopper) for bq in (16, 32, 64)] == [3, 3, 3]
     assert [da.pipeline_stages(bq, gb10) for bq in (16, 32, 64)] == [3, 3, 2]
-    saved = da.WIDE_TILE_STAGES
-    try:
-        da.WIDE_TILE_STAGES = 2
-        assert [da.pipeline_stages(bq, hopper) for bq in (16, 32, 64)] == [3, 2, 2]
-    finally:
-        da.WIDE_TILE_STAGES = saved
+    monkeypatch.setattr(da, "WIDE_TILE_STAGES", 2)
+    assert [da.pipeline_stages(bq, hopper) for bq in (16, 32, 64)] == [3, 2, 2]
 
 
 def compile_only(code: str) -> str:
