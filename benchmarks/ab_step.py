@@ -121,6 +121,44 @@ def _no_b_a(device, fn, x):
     return _CONSTANT_B_A[key], lambda: None
 
 
+_ORIGINALS: dict = {}  # (module, attribute) -> its value before the running variant replaced it
+_PROJECTIONS_CALL = ("roofline.kernels.merge.Projections", "__call__")
+_QKV_ALONE: dict = {}  # id(the GDN's merged qkv_z Projections) -> in_proj_qkv as a weight with its own decode kernel
+_ZEROS_Z: dict = {}  # (rows, width, dtype, device) -> `timing-no-z`'s constant z
+
+
+def _qkv_alone(projections, x):
+    """For the GDN's merged in_proj_qkv+z at 1-4 rows: [in_proj_qkv's GEMV alone, a constant z]; else None. The
+    weight alone is made once, in the capture's warm-up: its block-repacked qweight is a contiguous view of the
+    merged one already, its scales and zeros are copied."""
+    import copy
+    from collections import OrderedDict
+
+    from roofline.kernels.dispatch import install_weight_kernel
+    from roofline.quant import Int4Weight
+
+    if len(projections.parts) != 2 or not all(isinstance(p, Int4Weight) for p in projections.parts) \
+            or not 1 <= x.shape[0] <= 4:
+        return None
+    if id(projections) not in _QKV_ALONE:
+        w = copy.copy(projections.parts[0])
+        w._buffers = OrderedDict((k, v.contiguous()) for k, v in w._buffers.items())
+        w.__dict__.pop("forward", None)
+        install_weight_kernel(w)
+        _QKV_ALONE[id(projections)] = w
+    key = (x.shape[0], projections.sizes[1], x.dtype, x.device)
+    if key not in _ZEROS_Z:
+        _ZEROS_Z[key] = x.new_zeros(x.shape[0], projections.sizes[1])
+    return [_QKV_ALONE[id(projections)](x), _ZEROS_Z[key]]
+
+
+def _no_z(projections, x):
+    """merge.Projections.__call__ for `timing-no-z`: the GDN's in_proj_qkv GEMV alone and a constant z: what z's 8192
+    columns cost the step. Other projections as they are."""
+    out = _qkv_alone(projections, x)
+    return _ORIGINALS[_PROJECTIONS_CALL](projections, x) if out is None else out
+
+
 def resolve(name: str):
     """The module, or the class inside one ("package.module.Class"), that a variant's attribute belongs to."""
     try:
@@ -177,6 +215,11 @@ VARIANTS = {
     # session 26: the GDN's b/a projection (0.8 MB of BF16 on the second stream beside in_proj_qkv+z; the GDN kernel
     # waits on its join): what it costs the step
     "timing-no-b-a": _timing_only("zeros", ("roofline.kernels.mixers", "beside", _no_b_a)),
+    # session 38, timing only: the GDN's z projection (8192 of in_proj_qkv+z's 20480 columns, read only by the GDN
+    # kernel's output gate) not computed, in_proj_qkv alone on the main stream: what z's GEMV costs the step. Its GEMV
+    # on the second stream instead (joined before the out projection), launched beside in_proj_qkv or after it
+    # (beside the GDN kernel), lost at M = 3 and won at most 0.048 ms at one token: removed (NOTES-kernels, session 38)
+    "timing-no-z": _timing_only("constant z", (*_PROJECTIONS_CALL, _no_z)),
     # session 25's verify-step defaults against what they replaced: the GDN kernel's tile at 2..5 tokens, the out
     # projections' K split at 2..4 rows
     "gdn-verify-tile-16x2": _module_setting("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2)),
@@ -220,6 +263,7 @@ def variant(name: str):
             if not hasattr(module, attr):
                 raise AttributeError(f"{module_name} has no {attr}: the variant {name!r} no longer matches the code")
             saved.append((module, attr, getattr(module, attr)))
+            _ORIGINALS[(module_name, attr)] = getattr(module, attr)
             setattr(module, attr, value)
         yield
     finally:
