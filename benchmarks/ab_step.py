@@ -241,6 +241,8 @@ VARIANTS = {
     "attention-wide-2-stages": _module_setting("roofline.kernels.decode_attention", "WIDE_TILE_STAGES", 2),
     # session 37: the attention splits' keys as shares of the graph's span, not of the sequence's length (before)
     "attention-splits-by-span": _module_setting("roofline.kernels.decode_attention", "SPLIT_BY_LENGTH", False),
+    # session 38: the INT8 LM head's 16-bit logits widened to fp32 by a copy kernel after it (before)
+    "logits-copy": _module_setting("roofline.kernels.dispatch", "FP32_LOGITS", False),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),

@@ -106,3 +106,44 @@ def test_int8_lm_head_gpu_odd_sizes():
 @pytest.mark.parametrize("m,v,h", [(1, 248320, 3072), (2, 248320, 3072), (4, 248320, 3072), (3, 5003, 1000)])
 def test_int8_lm_head_tensor_core_variant_gpu(m, v, h):
     check_kernel(m, v, h, torch.bfloat16, "cuda", dot=True)
+
+
+def check_fp32_logits(m, v, h, dtype, device, dot):
+    """The fast path's fp32 logits (`round_to_x`, one launch; `Int8RowWeight.logits` once the kernel is installed) hold
+    exactly the values of the 16-bit output widened (what `head(x).float()` gave, a second kernel); without the
+    rounding some would differ, so the comparison can fail."""
+    from roofline.kernels import dispatch, int8_lm_head
+    from roofline.kernels.int8_lm_head import int8_matmul
+
+    torch.manual_seed(m * 7 + v)
+    fmt = Int8RowWeight.from_dense(torch.randn(v, h, device=device).to(dtype))
+    x = torch.randn(m, h, device=device).to(dtype)
+    widened = int8_matmul(x, fmt.weight, fmt.weight_scale, dot=dot).float()
+    one = int8_matmul(x, fmt.weight, fmt.weight_scale, out_dtype=torch.float32, round_to_x=True, dot=dot)
+    assert one.dtype == torch.float32 and torch.equal(one, widened)
+    unrounded = int8_matmul(x, fmt.weight, fmt.weight_scale, out_dtype=torch.float32, dot=dot)
+    assert not torch.equal(unrounded, widened)
+    assert dispatch.install_weight_kernel(fmt) == "int8 lm_head"
+    before = int8_lm_head.DOT_ROWS
+    int8_lm_head.DOT_ROWS = dot  # the variant the installed kernel takes
+    try:
+        logits = fmt.logits(x)
+        assert logits.dtype == torch.float32 and torch.equal(logits, widened)
+        dispatch.FP32_LOGITS = False  # the rule before: the 16-bit output widened by a copy
+        assert torch.equal(fmt.logits(x), widened)
+    finally:
+        dispatch.FP32_LOGITS = True
+        int8_lm_head.DOT_ROWS = before
+
+
+@cpu
+@pytest.mark.parametrize("m,dot", [(1, False), (3, False), (2, True), (4, True)])
+def test_fp32_logits_hold_the_16_bit_values_interpreter(m, dot):
+    pytest.importorskip("triton")
+    check_fp32_logits(m, 100, 96, torch.float16, "cpu", dot)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_fp32_logits_hold_the_16_bit_values_gpu(m):
+    check_fp32_logits(m, 248320, 3072, torch.bfloat16, "cuda", dot=True)

@@ -68,7 +68,7 @@ class DraftVocabulary:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V] fp32 logits: the subset's, -inf elsewhere (so sampling and penalties see the full vocabulary)."""
         out = torch.full((hidden.shape[0], self.vocab), float("-inf"), dtype=torch.float32, device=hidden.device)
-        out[:, self.ids] = self.head(hidden).float()
+        out[:, self.ids] = self.head.logits(hidden)
         return out
 
 

@@ -105,6 +105,20 @@ def _int8(weight: Int8RowWeight, x: torch.Tensor, expert: int | None = None) -> 
     return LinearWeight.forward(weight, x, expert)
 
 
+# The INT8 LM head's kernel stores fp32 logits, rounded to x's dtype first (the values of head(x).float()), where a
+# separate copy kernel widened its 16-bit output before (~4 us a step; ab_step `logits-copy` keeps that). Read at
+# call time.
+FP32_LOGITS = True
+
+
+def _int8_logits(weight: Int8RowWeight, x: torch.Tensor) -> torch.Tensor:
+    if FP32_LOGITS and 1 <= row_count(x) <= MAX_DECODE_ROWS:
+        from .int8_lm_head import int8_matmul
+
+        return int8_matmul(x, weight.weight, weight.weight_scale, out_dtype=torch.float32, round_to_x=True)
+    return LinearWeight.logits(weight, x)
+
+
 # INT4 calls with more rows than the decode kernels take (prefill; decode batches past MAX_DECODE_ROWS dense rows
 # or MAX_EXPERT_TOKENS expert rows). "dequant": each weight dequantised in one launch (int4_dequant) and multiplied by
 # torch, the routed experts one at a time (~12 launches an expert and a host read a layer, so such decode steps run
@@ -249,6 +263,7 @@ def install_weight_kernel(weight: LinearWeight) -> str | None:
         return "fp8"
     if isinstance(weight, Int8RowWeight):
         weight.forward = partial(_int8, weight)
+        weight.logits = partial(_int8_logits, weight)
         return "int8 lm_head"
     if (isinstance(weight, DenseWeight) and weight.out_features <= DENSE_MAX_ROWS and weight.weight.is_contiguous()
             and weight.weight.dtype in (torch.bfloat16, torch.float16)):

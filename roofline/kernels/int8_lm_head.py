@@ -44,9 +44,17 @@ def _x_part(x_ptr, row, h, lim, BH: tl.constexpr):
 
 
 @triton.jit
+def _out_value(y, x_ptr, out_ptr, ROUND_TO_X: tl.constexpr):
+    """y in out's dtype; with ROUND_TO_X rounded to x's dtype first (fp32 logits holding head(x).float()'s values)."""
+    if ROUND_TO_X:
+        y = y.to(x_ptr.dtype.element_ty)
+    return y.to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _int8_rows_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, V, H,
-    BM: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False,
+    BM: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr, ROUND_TO_X: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     v = pid * BV + tl.arange(0, BV)
@@ -77,19 +85,21 @@ def _int8_rows_kernel(
             acc2 += tl.sum(_x_part(x_ptr, 2 * H, h, lim2, BH) * w3, axis=2)
             acc3 += tl.sum(_x_part(x_ptr, 3 * H, h, lim3, BH) * w3, axis=2)
     scale = tl.load(s_ptr + v, mask=v_mask, other=0).to(tl.float32)
-    ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + v, (tl.sum(acc0, axis=1) * scale).to(ty), mask=v_mask)
+    tl.store(out_ptr + v, _out_value(tl.sum(acc0, axis=1) * scale, x_ptr, out_ptr, ROUND_TO_X), mask=v_mask)
     if BM > 1:
-        tl.store(out_ptr + V + v, (tl.sum(acc1, axis=1) * scale).to(ty), mask=v < tl.where(M > 1, V, 0))
+        tl.store(out_ptr + V + v, _out_value(tl.sum(acc1, axis=1) * scale, x_ptr, out_ptr, ROUND_TO_X),
+                 mask=v < tl.where(M > 1, V, 0))
     if BM > 2:
-        tl.store(out_ptr + 2 * V + v, (tl.sum(acc2, axis=1) * scale).to(ty), mask=v < tl.where(M > 2, V, 0))
-        tl.store(out_ptr + 3 * V + v, (tl.sum(acc3, axis=1) * scale).to(ty), mask=v < tl.where(M > 3, V, 0))
+        tl.store(out_ptr + 2 * V + v, _out_value(tl.sum(acc2, axis=1) * scale, x_ptr, out_ptr, ROUND_TO_X),
+                 mask=v < tl.where(M > 2, V, 0))
+        tl.store(out_ptr + 3 * V + v, _out_value(tl.sum(acc3, axis=1) * scale, x_ptr, out_ptr, ROUND_TO_X),
+                 mask=v < tl.where(M > 3, V, 0))
 
 
 @triton.jit
 def _int8_rows_dot_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, V, H,
-    BV: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False,
+    BV: tl.constexpr, BH: tl.constexpr, ROUND_TO_X: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     v = pid * BV + tl.arange(0, BV)
@@ -105,7 +115,7 @@ def _int8_rows_dot_kernel(
         xt = tl.load(x_ptr + tok[None, :] * H + h[:, None], mask=(tok < M)[None, :] & (h < H)[:, None], other=0)
         acc = tl.dot(w.to(xt.dtype), xt, acc)
     scale = tl.load(s_ptr + v, mask=v_mask, other=0).to(tl.float32)
-    tl.store(out_ptr + tok[None, :] * V + v[:, None], (acc * scale[:, None]).to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + tok[None, :] * V + v[:, None], _out_value(acc * scale[:, None], x_ptr, out_ptr, ROUND_TO_X),
              mask=v_mask[:, None] & (tok < M)[None, :])
 
 
@@ -128,9 +138,10 @@ def default_dot_config() -> dict:
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, out_dtype=None, out=None,
-                config: dict | None = None, dot: bool | None = None) -> torch.Tensor:
+                config: dict | None = None, dot: bool | None = None, round_to_x: bool = False) -> torch.Tensor:
     """logits = (x @ q^T) * scale for x [..., H] with 1..4 rows, q int8 [V, H], scale [V] or [V, 1]. `dot`: the
-    tensor-core variant (default: for 16-bit x unless ROOFLINE_INT8_DOT=0)."""
+    tensor-core variant (default: for 16-bit x unless ROOFLINE_INT8_DOT=0). `round_to_x`: each value rounded to x's
+    dtype before it is stored in out_dtype (fp32 logits of head(x).float()'s values in one launch)."""
     v, h = weight.shape
     x2, lead = decode_rows(x, h, "int8_matmul")
     m = x2.shape[0]
@@ -143,8 +154,9 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, o
     grid = (triton.cdiv(v, cfg["BV"]),)
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg.get("num_stages", 1), **pdl_options(x.device)}
     if dot:
-        _int8_rows_dot_kernel[grid](x2, weight, scale.reshape(-1), out, m, v, h, BV=cfg["BV"], BH=cfg["BH"], **launch)
+        _int8_rows_dot_kernel[grid](x2, weight, scale.reshape(-1), out, m, v, h, BV=cfg["BV"], BH=cfg["BH"],
+                                    ROUND_TO_X=round_to_x, **launch)
     else:
-        _int8_rows_kernel[grid](x2, weight, scale.reshape(-1), out, m, v, h,
-                                BM=max(1, 1 << (m - 1).bit_length()), BV=cfg["BV"], BH=cfg["BH"], **launch)
+        _int8_rows_kernel[grid](x2, weight, scale.reshape(-1), out, m, v, h, BM=max(1, 1 << (m - 1).bit_length()),
+                                BV=cfg["BV"], BH=cfg["BH"], ROUND_TO_X=round_to_x, **launch)
     return out.reshape(*lead, v)

@@ -33,7 +33,8 @@ def _cases(arch: int):
     from .int8_lm_head import _int8_rows_dot_kernel
     from .sample_draw import PARAMS, ROW_CHUNK, _draw_candidates_kernel, _row_stats_kernel
 
-    cases = [("int8 lm head (tensor cores, 32 x 256)", _int8_rows_dot_kernel, {"BV": 32, "BH": 256, "PDL": True},
+    cases = [("int8 lm head (tensor cores, 32 x 256, fp32 logits)", _int8_rows_dot_kernel,
+              {"BV": 32, "BH": 256, "ROUND_TO_X": True, "PDL": True},
               {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*fp32"}, (), 2, 3)]
     attn = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "len_ptr": "*i32", "slot_ptr": "*i32",
             "out_ptr": "*bf16", "ws_ptr": "*fp32", "gate_ptr": "*bf16"}

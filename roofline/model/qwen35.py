@@ -105,7 +105,7 @@ class Qwen35ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head.logits(hidden)
 
     @torch.no_grad()
     def mtp_forward(

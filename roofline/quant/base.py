@@ -77,6 +77,11 @@ class LinearWeight(nn.Module):
     def forward(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
         return F.linear(x, self.dequantize(expert).to(x.dtype))
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """An LM head's fp32 logits: its output in x's dtype, widened. The fast path may give a weight one launch that
+        stores the same values (kernels.dispatch)."""
+        return self(x).float()
+
     def take_rows(self, rows: torch.Tensor) -> "LinearWeight":
         """A new weight holding only output rows `rows` (e.g. a draft LM head over part of the vocabulary)."""
         raise NotImplementedError(f"{self.FORMAT} weights cannot be cut to a subset of rows")
