@@ -108,23 +108,28 @@ def _no_decode_attention(q, *args, **kwargs):
     return torch.empty_like(q)
 
 
-_CONSTANT_B_A: dict = {}  # (rows, heads, dtype, device) -> _no_b_a's constant (b, a)
+_CONSTANT_ZEROS: dict = {}  # (part, rows, width, dtype, device) -> a stand-in's constant zeros
+
+
+def _constant_zeros(part: str, x, width: int):
+    """Zeros [rows of x, width] standing in for `part`'s output, made once per shape (a fill in the first capture that
+    needs them)."""
+    key = (part, x.shape[0], width, x.dtype, x.device)
+    if key not in _CONSTANT_ZEROS:
+        _CONSTANT_ZEROS[key] = x.new_zeros(x.shape[0], width)
+    return _CONSTANT_ZEROS[key]
 
 
 def _no_b_a(device, fn, x):
     """mixers.beside for `timing-no-b-a`: constant b and a (zeros) in place of the GDN's b/a projection, no kernel
-    and no second-stream fork or join. Made once per shape (a fill in the first capture that needs them)."""
+    and no second-stream fork or join."""
     heads = fn.sizes[0]
-    key = (x.shape[0], heads, x.dtype, x.device)
-    if key not in _CONSTANT_B_A:
-        _CONSTANT_B_A[key] = tuple(x.new_zeros(x.shape[0], heads) for _ in range(2))
-    return _CONSTANT_B_A[key], lambda: None
+    return (_constant_zeros("b", x, heads), _constant_zeros("a", x, heads)), lambda: None
 
 
 _ORIGINALS: dict = {}  # (module, attribute) -> its value before the running variant replaced it
 _PROJECTIONS_CALL = ("roofline.kernels.merge.Projections", "__call__")
 _QKV_ALONE: dict = {}  # id(the GDN's merged qkv_z Projections) -> in_proj_qkv as a weight with its own decode kernel
-_ZEROS_Z: dict = {}  # (rows, width, dtype, device) -> `timing-no-z`'s constant z
 
 
 def _qkv_alone(projections, x):
@@ -146,10 +151,7 @@ def _qkv_alone(projections, x):
         w.__dict__.pop("forward", None)
         install_weight_kernel(w)
         _QKV_ALONE[id(projections)] = w
-    key = (x.shape[0], projections.sizes[1], x.dtype, x.device)
-    if key not in _ZEROS_Z:
-        _ZEROS_Z[key] = x.new_zeros(x.shape[0], projections.sizes[1])
-    return [_QKV_ALONE[id(projections)](x), _ZEROS_Z[key]]
+    return [_QKV_ALONE[id(projections)](x), _constant_zeros("z", x, projections.sizes[1])]
 
 
 def _no_z(projections, x):

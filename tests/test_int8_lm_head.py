@@ -108,7 +108,7 @@ def test_int8_lm_head_tensor_core_variant_gpu(m, v, h):
     check_kernel(m, v, h, torch.bfloat16, "cuda", dot=True)
 
 
-def check_fp32_logits(m, v, h, dtype, device, dot):
+def check_fp32_logits(m, v, h, dtype, device, dot, monkeypatch):
     """The fast path's fp32 logits (`round_to_x`, one launch; `Int8RowWeight.logits` once the kernel is installed) hold
     exactly the values of the 16-bit output widened (what `head(x).float()` gave, a second kernel); without the
     rounding some would differ, so the comparison can fail."""
@@ -124,26 +124,21 @@ def check_fp32_logits(m, v, h, dtype, device, dot):
     unrounded = int8_matmul(x, fmt.weight, fmt.weight_scale, out_dtype=torch.float32, dot=dot)
     assert not torch.equal(unrounded, widened)
     assert dispatch.install_weight_kernel(fmt) == "int8 lm_head"
-    before = int8_lm_head.DOT_ROWS
-    int8_lm_head.DOT_ROWS = dot  # the variant the installed kernel takes
-    try:
-        logits = fmt.logits(x)
-        assert logits.dtype == torch.float32 and torch.equal(logits, widened)
-        dispatch.FP32_LOGITS = False  # the rule before: the 16-bit output widened by a copy
-        assert torch.equal(fmt.logits(x), widened)
-    finally:
-        dispatch.FP32_LOGITS = True
-        int8_lm_head.DOT_ROWS = before
+    monkeypatch.setattr(int8_lm_head, "DOT_ROWS", dot)  # the variant the installed kernel takes
+    logits = fmt.logits(x)
+    assert logits.dtype == torch.float32 and torch.equal(logits, widened)
+    monkeypatch.setattr(dispatch, "FP32_LOGITS", False)  # the rule before: the 16-bit output widened by a copy
+    assert torch.equal(fmt.logits(x), widened)
 
 
 @cpu
 @pytest.mark.parametrize("m,dot", [(1, False), (3, False), (2, True), (4, True)])
-def test_fp32_logits_hold_the_16_bit_values_interpreter(m, dot):
+def test_fp32_logits_hold_the_16_bit_values_interpreter(m, dot, monkeypatch):
     pytest.importorskip("triton")
-    check_fp32_logits(m, 100, 96, torch.float16, "cpu", dot)
+    check_fp32_logits(m, 100, 96, torch.float16, "cpu", dot, monkeypatch)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4])
-def test_fp32_logits_hold_the_16_bit_values_gpu(m):
-    check_fp32_logits(m, 248320, 3072, torch.bfloat16, "cuda", dot=True)
+def test_fp32_logits_hold_the_16_bit_values_gpu(m, monkeypatch):
+    check_fp32_logits(m, 248320, 3072, torch.bfloat16, "cuda", True, monkeypatch)
