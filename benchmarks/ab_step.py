@@ -161,6 +161,19 @@ def _no_z(projections, x):
     return _ORIGINALS[_PROJECTIONS_CALL](projections, x) if out is None else out
 
 
+def _no_embedding(text_model, input_ids):
+    """TextModel.embed for `timing-no-embedding`: constant zeros in place of the embedding rows, no gather kernel:
+    what the step's first kernel (PyTorch's, not under PDL) and the gap after it cost."""
+    weight = text_model.embed_tokens.weight
+    return _constant_zeros("embedding", weight[: len(input_ids)], weight.shape[1])
+
+
+def _no_silu_mul(gate_up):
+    """blocks.silu_mul for `timing-no-silu-mul`: constant zeros as the shared expert's activation, no kernel between
+    its two FP8 GEMVs on the second stream."""
+    return _constant_zeros("act", gate_up, gate_up.shape[-1] // 2)
+
+
 def resolve(name: str):
     """The module, or the class inside one ("package.module.Class"), that a variant's attribute belongs to."""
     try:
@@ -222,6 +235,9 @@ VARIANTS = {
     # on the second stream instead (joined before the out projection), launched beside in_proj_qkv or after it
     # (beside the GDN kernel), lost at M = 3 and won at most 0.048 ms at one token: removed (NOTES-kernels, session 38)
     "timing-no-z": _timing_only("constant z", (*_PROJECTIONS_CALL, _no_z)),
+    # session 39, timing only: the step's embedding gather (its first kernel), and the shared expert's silu_mul launch
+    "timing-no-embedding": _timing_only("zeros", ("roofline.model.qwen35.TextModel", "embed", _no_embedding)),
+    "timing-no-silu-mul": _timing_only("zeros", ("roofline.kernels.blocks", "silu_mul", _no_silu_mul)),
     # session 25's verify-step defaults against what they replaced: the GDN kernel's tile at 2..5 tokens, the out
     # projections' K split at 2..4 rows
     "gdn-verify-tile-16x2": _module_setting("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2)),
@@ -245,6 +261,8 @@ VARIANTS = {
     "attention-splits-by-span": _module_setting("roofline.kernels.decode_attention", "SPLIT_BY_LENGTH", False),
     # session 38: the INT8 LM head's 16-bit logits widened to fp32 by a copy kernel after it (before)
     "logits-copy": _module_setting("roofline.kernels.dispatch", "FP32_LOGITS", False),
+    # session 39: the step's embedding rows by PyTorch's gather (no programmatic dependent launch), the rule before
+    "embedding-torch": _module_setting("roofline.kernels.dispatch", "TRITON_EMBEDDING", False),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),
