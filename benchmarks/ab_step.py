@@ -235,7 +235,9 @@ VARIANTS = {
     # on the second stream instead (joined before the out projection), launched beside in_proj_qkv or after it
     # (beside the GDN kernel), lost at M = 3 and won at most 0.048 ms at one token: removed (NOTES-kernels, session 38)
     "timing-no-z": _timing_only("constant z", (*_PROJECTIONS_CALL, _no_z)),
-    # session 39, timing only: the step's embedding gather (its first kernel), and the shared expert's silu_mul launch
+    # session 39, timing only: the step's embedding gather (its first kernel, PyTorch's; in the profile ~6 us idle
+    # follow it), and the shared expert's silu_mul launch. H100, 122B: +0.002 / -0.002 ms and -0.001 / -0.018 at
+    # M = 1 / 3, so a Triton gather under PDL (-0.004 / -0.002 in the same A/B) was not kept (NOTES-kernels, session 39)
     "timing-no-embedding": _timing_only("zeros", ("roofline.model.qwen35.TextModel", "embed", _no_embedding)),
     "timing-no-silu-mul": _timing_only("zeros", ("roofline.kernels.blocks", "silu_mul", _no_silu_mul)),
     # session 25's verify-step defaults against what they replaced: the GDN kernel's tile at 2..5 tokens, the out
@@ -261,8 +263,6 @@ VARIANTS = {
     "attention-splits-by-span": _module_setting("roofline.kernels.decode_attention", "SPLIT_BY_LENGTH", False),
     # session 38: the INT8 LM head's 16-bit logits widened to fp32 by a copy kernel after it (before)
     "logits-copy": _module_setting("roofline.kernels.dispatch", "FP32_LOGITS", False),
-    # session 39: the step's embedding rows by PyTorch's gather (no programmatic dependent launch), the rule before
-    "embedding-torch": _module_setting("roofline.kernels.dispatch", "TRITON_EMBEDDING", False),
     "int8-lanes": ("ROOFLINE_INT8_DOT=0", [("roofline.kernels.int8_lm_head", "DOT_ROWS", False)]),
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),

@@ -13,7 +13,7 @@ from roofline.kernels import dispatch
 from roofline.model.layers import rms_norm as reference_norm
 
 pytest.importorskip("triton")
-from roofline.kernels.small_ops import embedding, rms_norm, route_top_k  # noqa: E402
+from roofline.kernels.small_ops import rms_norm, route_top_k  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -31,24 +31,6 @@ def test_rms_norm_matches_the_model(rows, dim, dtype):
     assert got.dtype == x.dtype and got.shape == x.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
-
-
-@runs_here
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("rows,dim", [(1, 256), (3, 300), (7, 5000)])  # 5000: two column blocks, the last partial
-def test_embedding_gathers_the_table_rows(rows, dim, dtype, ids_dtype):
-    """Bit for bit table[ids], repeated ids and the table's first and last rows among them; no rows, no launch; ids
-    that are not one int vector are refused, naming what came."""
-    table = torch.randn(50, dim, device=DEVICE).to(dtype)
-    ids = torch.tensor([49, 0, 7, 7, 3, 11, 49][:rows], device=DEVICE, dtype=ids_dtype)
-    got = embedding(ids, table)
-    assert got.dtype == dtype and torch.equal(got, table[ids])
-    assert embedding(ids[:0], table).shape == (0, dim)
-    with pytest.raises(ValueError, match="int32/int64 ids"):
-        embedding(ids.float(), table)
-    with pytest.raises(ValueError, match="int32/int64 ids"):
-        embedding(ids[None], table)
 
 
 @runs_here
@@ -97,9 +79,6 @@ def test_engine_tokens_with_fused_small_ops(monkeypatch, tmp_path):
     monkeypatch.setattr(dispatch, "FUSED_SMALL_OPS", True)
     fused = Engine.from_pretrained(str(tmp_path / "m"), device=DEVICE, dtype="float32", cuda_graphs=True, max_num_seqs=2)
     assert type(fused.model.model.norm.forward).__name__ == "partial"
-    assert fused.model.model.embed.func is dispatch._fused_embedding
-    assert greedy(fused) == want
-    monkeypatch.setattr(dispatch, "TRITON_EMBEDDING", False)  # ab_step's embedding-torch: PyTorch's gather
     assert greedy(fused) == want
 
 

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from ..model.layers import MLP, DecoderLayer, Experts, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
-from ..model.qwen35 import TextModel
 from ..errors import UserError
 from ..quant import DenseWeight, Fp8BlockWeight, Int4Weight, LinearWeight
 from ..quant.int4 import block_qweight, blocked_columns
@@ -200,19 +199,6 @@ def _experts(module: Experts, syms: tuple[bool, bool], x, top_experts, top_weigh
 # One-launch RMSNorm, router and attention prologue (small_ops.py; checked on an H200 by tests/test_small_ops.py).
 # ROOFLINE_FUSED_SMALL_OPS=0 runs the PyTorch ops instead (to compare, or to rule the kernels out).
 FUSED_SMALL_OPS = os.environ.get("ROOFLINE_FUSED_SMALL_OPS", "1") != "0"
-
-
-# The embedding rows by small_ops.embedding, the step's first kernel, which lets the first layer's norm launch early;
-# ab_step's `embedding-torch` turns it off (PyTorch's gather, as before session 39). Read at call time.
-TRITON_EMBEDDING = True
-
-
-def _fused_embedding(text: TextModel, input_ids: torch.Tensor) -> torch.Tensor:
-    from .small_ops import embedding
-
-    if TRITON_EMBEDDING and input_ids.dim() == 1:
-        return embedding(input_ids, text.embed_tokens.weight)
-    return TextModel.embed(text, input_ids)
 
 
 def _fused_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -458,9 +444,6 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
             result.graph_blockers.append(
                 f"routed experts stored as {module.gate_up.FORMAT}/{module.down.FORMAT} have no sync-free kernel"
             )
-        elif isinstance(module, TextModel) and FUSED_SMALL_OPS:
-            module.embed = partial(_fused_embedding, module)
-            installed["embedding gather in Triton"] += 1
         elif isinstance(module, RMSNorm) and FUSED_SMALL_OPS:
             module.forward = partial(_fused_norm, module)
             installed["fused rms_norm"] += 1

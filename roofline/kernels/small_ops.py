@@ -8,8 +8,6 @@ softmax / top-k / renormalise ~6. Here each is one launch over the step's few ro
 - `rms_norm(x, weight, eps)`: y = x * rsqrt(mean(x^2) + eps) * (1 + w) in fp32, rounded to
   x's dtype (roofline.model.layers.rms_norm), one program per row; `add_rms_norm` adds the
   residual first and returns both (the decoder layer's add and the next norm);
-- `embedding(ids, table)`: the rows of the embedding table, the decode step's first kernel: PyTorch's gather does
-  not let the next kernel launch early (programmatic dependent launch), this one does;
 - `silu_mul(gate_up)`: silu(gate) * up (the shared expert's activation, two kernels in PyTorch);
 - `route_top_k(logits, k)`: fp32 softmax over the experts, the k largest, renormalised to sum
   to 1 (SparseMoE.route), one program per token;
@@ -62,31 +60,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     h, y = torch.empty_like(x2), torch.empty_like(x2)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, d, eps, ADD=True, BD=next_pow2(d), **pdl_options(x.device))
     return h.view(x.shape), y.view(x.shape)
-
-
-@triton.jit
-def _embedding_kernel(ids_ptr, table_ptr, out_ptr, D, BD: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)  # lets the next kernel (the first layer's norm) launch now
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BD + tl.arange(0, BD)
-    mask = d < D
-    token = tl.load(ids_ptr + row).to(tl.int64)
-    tl.store(out_ptr + row * D + d, tl.load(table_ptr + token * D + d, mask=mask), mask=mask)
-
-
-def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """table[ids] for ids [N] (int32/int64, each in 0..V-1: the engine checks prompts against the vocabulary, and
-    sampled ids are in it) and a contiguous table [V, D] -> [N, D]."""
-    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or table.dim() != 2 or not table.is_contiguous():
-        raise ValueError(f"embedding wants int32/int64 ids [N] and a contiguous table [V, D], got {ids.dtype} "
-                         f"{list(ids.shape)} and {list(table.shape)}")
-    n, d = ids.shape[0], table.shape[1]
-    out = torch.empty(n, d, dtype=table.dtype, device=table.device)
-    if n:
-        block = min(4096, next_pow2(d))
-        _embedding_kernel[(n, triton.cdiv(d, block))](ids.contiguous(), table, out, d, BD=block,
-                                                      **pdl_options(table.device))
-    return out
 
 
 @triton.jit
