@@ -507,6 +507,9 @@ def _down_tc_kernel(
 # M = 3 graph was the same (session 28: -0.004 ms).
 ROWS_PROGRAMS_PER_SM = 8.0
 ROWS_DOWN_PROGRAMS_PER_SM = 8.0
+# Warps a program (its tile's 32-column blocks) and register buffers of weights in flight at 2-4 rows (both kernels).
+ROWS_WARPS = 2
+ROWS_DEPTH = 2
 # The one-row configs (the H200 sweeps in _tc_expert_config's docstring, of each kernel alone). In the step on an H100
 # (session 28, ab_step, 3 rounds, one-row graph 3.556 ms) their neighbours were no faster: gate_up's K split 6 +0.008,
 # 12 +0.096; down at 4 a SM (no split) +0.088, 16 (split 3) -0.012, inside the rounds' 0.04 ms spread.
@@ -528,12 +531,12 @@ def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
     if not INTERPRET:
         if down:
             cfg = {"WN": 1, "KW": 1, "programs_per_sm": ONE_ROW_DOWN_PROGRAMS_PER_SM} if t == 1 else \
-                {"WN": 2, "KW": 1, "programs_per_sm": ROWS_DOWN_PROGRAMS_PER_SM}
+                {"WN": ROWS_WARPS, "KW": 1, "programs_per_sm": ROWS_DOWN_PROGRAMS_PER_SM}
         elif one_buffer_loop(t):
             cfg = {"WN": 1, "KW": 1, "SPLIT_K": ONE_ROW_GATE_UP_SPLIT}
         else:
-            cfg = {"WN": 2, "KW": 1, "programs_per_sm": ROWS_PROGRAMS_PER_SM}
-        if one_buffer_loop(t):
+            cfg = {"WN": ROWS_WARPS, "KW": 1, "programs_per_sm": ROWS_PROGRAMS_PER_SM}
+        if one_buffer_loop(t) or ROWS_DEPTH == 1:
             cfg["depth"] = 1
     cfg.update(config or {})
     return cfg
