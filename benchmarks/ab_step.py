@@ -243,6 +243,10 @@ VARIANTS = {
     # session 25's verify-step defaults against what they replaced: the GDN kernel's tile at 2..5 tokens, the out
     # projections' K split at 2..4 rows
     "gdn-verify-tile-16x2": _module_setting("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 2)),
+    # session 39: the verify's GDN tile's neighbours not timed at M = 3 before (V block, warps)
+    "gdn-verify-tile-16x4": _module_setting("roofline.kernels.gdn_decode", "VERIFY_TILE", (16, 4)),
+    "gdn-verify-tile-32x2": _module_setting("roofline.kernels.gdn_decode", "VERIFY_TILE", (32, 2)),
+    "gdn-verify-tile-64x4": _module_setting("roofline.kernels.gdn_decode", "VERIFY_TILE", (64, 4)),
     # session 27's verify default against the value it replaced: the routed experts' programs a SM at 2-4 rows
     "experts-rows-4-per-sm": ("roofline.kernels.int4_experts.ROWS_PROGRAMS_PER_SM=4.0, ROWS_DOWN_PROGRAMS_PER_SM=4.0", [
         ("roofline.kernels.int4_experts", "ROWS_PROGRAMS_PER_SM", 4.0),
