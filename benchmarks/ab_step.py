@@ -253,20 +253,10 @@ VARIANTS = {
         ("roofline.kernels.int4_experts", "ROWS_DOWN_PROGRAMS_PER_SM", 4.0)]),
     # session 28: the INT4 GEMVs' K-split sum at one row on the multi-row tile's lanes (4 splits' loads at a time, a
     # quarter of the lanes holding the row) against every lane summing its column's splits, 32 splits' loads at once
-    # session 39: the routed experts' 2-4 row programs (the verify step's) on one warp, at twice the programs a SM
-    # (the warps a SM unchanged) and with one buffer of weights in flight, as the one-row programs run
-    "experts-rows-1-warp": ("roofline.kernels.int4_experts.ROWS_WARPS=1, ROWS_PROGRAMS_PER_SM=16.0, "
-                            "ROWS_DOWN_PROGRAMS_PER_SM=16.0", [
-                                ("roofline.kernels.int4_experts", "ROWS_WARPS", 1),
-                                ("roofline.kernels.int4_experts", "ROWS_PROGRAMS_PER_SM", 16.0),
-                                ("roofline.kernels.int4_experts", "ROWS_DOWN_PROGRAMS_PER_SM", 16.0)]),
-    "experts-rows-1-warp-depth-1": ("roofline.kernels.int4_experts.ROWS_WARPS=1, ROWS_DEPTH=1, "
-                                    "ROWS_PROGRAMS_PER_SM=16.0, ROWS_DOWN_PROGRAMS_PER_SM=16.0", [
-                                        ("roofline.kernels.int4_experts", "ROWS_WARPS", 1),
-                                        ("roofline.kernels.int4_experts", "ROWS_DEPTH", 1),
-                                        ("roofline.kernels.int4_experts", "ROWS_PROGRAMS_PER_SM", 16.0),
-                                        ("roofline.kernels.int4_experts", "ROWS_DOWN_PROGRAMS_PER_SM", 16.0)]),
-    "experts-rows-depth-1": _module_setting("roofline.kernels.int4_experts", "ROWS_DEPTH", 1),
+    # session 39's verify default against the rule before: the routed experts' 2-4 row programs with two weight steps
+    # in flight; and the INT4 GEMVs of 2-4 rows over 3072+ columns (out_proj, o_proj) in the one-buffer loop too
+    "experts-rows-depth-2": _module_setting("roofline.kernels.int4_experts", "ROWS_DEPTH", 2),
+    "int4-rows-depth-1": _module_setting("roofline.kernels.int4_tc", "WIDE_TILES", 24),
     "int4-one-row-tile-sum": _module_setting("roofline.kernels.int4_tc", "ONE_ROW_FLAT_SUM", False),
     "out-proj-verify-2-per-sm": _module_setting("roofline.kernels.int4_tc", "RESIDUAL_ROWS_PROGRAMS_PER_SM", 2.0),
     # session 34: the GDN kernel's gated norm whole, in its arrival round (mixers.GDN_NORM_IN_OUT_PROJ off)

@@ -362,11 +362,22 @@ def test_experts_gpu(t, tc):
 def test_wide_gemvs_of_several_rows_take_the_one_buffer_loop(monkeypatch):
     """On the GPU every one-row call takes the one-buffer loop at 6 programs per SM, and so do the GEMVs of 2..4 rows
     over wide weights (the 122B verify step's merged in_proj_qkv+z and attention q/k/v) where they keep a K split
-    (NO_SPLIT_MAX_ROWS lowered: ab_step's int4-split-verify); out_proj-sized GEMVs and the experts kernels at several
-    tokens keep the two-buffer loop, which the run-11b sweep had faster there."""
-    from roofline.kernels import int4_tc
+    (NO_SPLIT_MAX_ROWS lowered: ab_step's int4-split-verify); out_proj-sized GEMVs at several tokens keep the
+    two-buffer loop, which the run-11b sweep had faster there. The experts kernels take the one-buffer loop at every
+    token count (int4_experts.ROWS_DEPTH, session 39), the two-buffer one with ROWS_DEPTH = 2 or ROOFLINE_INT4_DEPTH=2."""
+    from roofline.kernels import int4_experts, int4_tc
 
     monkeypatch.setattr(int4_tc, "INTERPRET", False)
+    monkeypatch.setattr(int4_experts, "INTERPRET", False)
+    for t in (1, 2, 3, 4):
+        assert int4_experts._tc_expert_config(t, None)["depth"] == 1, t
+        assert int4_experts._tc_expert_config(t, None, down=True)["depth"] == 1, t
+    monkeypatch.setattr(int4_experts, "ROWS_DEPTH", 2)  # ab_step's experts-rows-depth-2
+    assert "depth" not in int4_experts._tc_expert_config(3, None) and int4_experts._tc_expert_config(1, None)["depth"] == 1
+    monkeypatch.setattr(int4_experts, "ROWS_DEPTH", 1)
+    monkeypatch.setattr(int4_tc, "INT4_DEPTH", 2)  # ROOFLINE_INT4_DEPTH=2: the two-buffer loop everywhere
+    assert "depth" not in int4_experts._tc_expert_config(3, None) and "depth" not in int4_experts._tc_expert_config(1, None)
+    monkeypatch.setattr(int4_tc, "INT4_DEPTH", 1)
     one_buffer = {"WN": 4, "KW": 1, "programs_per_sm": 6.0, "depth": 1}
     for n in (3072, 20480, 17408):
         assert int4_tc.default_tc_config(1, n, 3072) == one_buffer, n

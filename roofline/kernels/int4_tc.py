@@ -602,7 +602,7 @@ def no_split_config(rows: int, n: int) -> dict | None:
 def one_buffer_loop(rows: int, n: int = 0) -> bool:
     """Whether a call on `rows` token rows of a weight with `n` output columns takes the one-buffer loop
     (`INT4_DEPTH`): every one-row call, and GEMVs of more rows over wide weights (`WIDE_TILES`). The experts
-    kernels pass no width: several tokens keep the two-buffer loop there."""
+    kernels pass no width (their rows' loop: int4_experts.ROWS_DEPTH)."""
     if INT4_DEPTH != 1:
         return False
     return rows == 1 or (WIDE_TILES is not None and n >= WIDE_TILES * 128)
