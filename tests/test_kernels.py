@@ -364,19 +364,22 @@ def test_wide_gemvs_of_several_rows_take_the_one_buffer_loop(monkeypatch):
     over wide weights (the 122B verify step's merged in_proj_qkv+z and attention q/k/v) where they keep a K split
     (NO_SPLIT_MAX_ROWS lowered: ab_step's int4-split-verify); out_proj-sized GEMVs at several tokens keep the
     two-buffer loop, which the run-11b sweep had faster there. The experts kernels take the one-buffer loop at every
-    token count (int4_experts.ROWS_DEPTH, session 39), the two-buffer one with ROWS_DEPTH = 2 or ROOFLINE_INT4_DEPTH=2."""
+    token count over block-repacked weights (int4_experts.ROWS_DEPTH, session 39), the two-buffer one at several
+    tokens in GPTQ order, with ROWS_DEPTH = 2, or with ROOFLINE_INT4_DEPTH=2."""
     from roofline.kernels import int4_experts, int4_tc
 
     monkeypatch.setattr(int4_tc, "INTERPRET", False)
     monkeypatch.setattr(int4_experts, "INTERPRET", False)
+    blocked = {"qblk": True}  # dispatch.int4_config of a block-repacked weight
     for t in (1, 2, 3, 4):
-        assert int4_experts._tc_expert_config(t, None)["depth"] == 1, t
-        assert int4_experts._tc_expert_config(t, None, down=True)["depth"] == 1, t
+        for down in (False, True):
+            assert int4_experts._tc_expert_config(t, blocked, down=down)["depth"] == 1, (t, down)
+            assert ("depth" in int4_experts._tc_expert_config(t, None, down=down)) == (t == 1), (t, down)  # GPTQ order
     monkeypatch.setattr(int4_experts, "ROWS_DEPTH", 2)  # ab_step's experts-rows-depth-2
-    assert "depth" not in int4_experts._tc_expert_config(3, None) and int4_experts._tc_expert_config(1, None)["depth"] == 1
+    assert "depth" not in int4_experts._tc_expert_config(3, blocked) and int4_experts._tc_expert_config(1, blocked)["depth"] == 1
     monkeypatch.setattr(int4_experts, "ROWS_DEPTH", 1)
     monkeypatch.setattr(int4_tc, "INT4_DEPTH", 2)  # ROOFLINE_INT4_DEPTH=2: the two-buffer loop everywhere
-    assert "depth" not in int4_experts._tc_expert_config(3, None) and "depth" not in int4_experts._tc_expert_config(1, None)
+    assert "depth" not in int4_experts._tc_expert_config(3, blocked) and "depth" not in int4_experts._tc_expert_config(1, blocked)
     monkeypatch.setattr(int4_tc, "INT4_DEPTH", 1)
     one_buffer = {"WN": 4, "KW": 1, "programs_per_sm": 6.0, "depth": 1}
     for n in (3072, 20480, 17408):

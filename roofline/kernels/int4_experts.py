@@ -507,11 +507,13 @@ def _down_tc_kernel(
 # M = 3 graph was the same (session 28: -0.004 ms).
 ROWS_PROGRAMS_PER_SM = 8.0
 ROWS_DOWN_PROGRAMS_PER_SM = 8.0
-# Weight steps in flight a warp at 2-4 rows (both kernels): one, as at one row (tc_groups' DEPTH=1 loop; fewer
-# registers a program). H100, session 39 (ab_step, 3 rounds, block-repacked weights, every round faster): the M = 3
-# verify graph 4.446 against 4.492 ms on the 122B, 2.755 against 2.879 on the 35B-A3B; one row unchanged. One-warp
-# programs at 16 a SM (the same warps a SM) were -0.017 / -0.134 with it and -0.013 / 0.000 without: not taken.
-# ab_step's `experts-rows-depth-2` puts the two-buffer loop back; ROOFLINE_INT4_DEPTH=2 does too, everywhere.
+# Weight steps in flight a warp at 2-4 rows (both kernels) over block-repacked weights: one, as at one row (tc_groups'
+# DEPTH=1 loop; fewer registers a program). H100, session 39 (ab_step, 3 rounds, every round faster): the M = 3
+# verify graph 4.446 against 4.492 ms on the 122B (again: 4.396 against 4.457), 2.755 against 2.879 on the 35B-A3B;
+# one row unchanged. One-warp programs at 16 a SM (the same warps a SM) were -0.017 / -0.134 with it and
+# -0.013 / 0.000 without: not taken. In GPTQ order (an engine with MTP) the two-buffer loop stays: there it read 4.472
+# against 4.512 ms, faster in 2 of 3 rounds. ab_step's `experts-rows-depth-2` puts the two-buffer loop back;
+# ROOFLINE_INT4_DEPTH=2 does too, everywhere.
 ROWS_DEPTH = 1
 # The one-row configs (the H200 sweeps in _tc_expert_config's docstring, of each kernel alone). In the step on an H100
 # (session 28, ab_step, 3 rounds, one-row graph 3.556 ms) their neighbours were no faster: gate_up's K split 6 +0.008,
@@ -529,7 +531,7 @@ def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
     gate_up at T=1 on 1-warp programs with K split 8 (run 13, block-repacked, one-buffer loop: 12.72 us against
     14.17 on 2 warps at 4 per SM, split 5), from two tokens on 2 warps (run 7, T=4, with x loaded one step ahead:
     28.6 us vs 32.3 on 4 warps); down at T >= 2 on 2 warps; at T >= 2 ROWS_PROGRAMS_PER_SM / ROWS_DOWN_PROGRAMS_PER_SM
-    programs a SM, ROWS_DEPTH weight steps in flight."""
+    programs a SM, ROWS_DEPTH weight steps in flight over block-repacked weights (config["qblk"])."""
     cfg = dict(default_tc_config(t, 0, 0))
     if not INTERPRET:
         if down:
@@ -539,7 +541,8 @@ def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
             cfg = {"WN": 1, "KW": 1, "SPLIT_K": ONE_ROW_GATE_UP_SPLIT}
         else:
             cfg = {"WN": 2, "KW": 1, "programs_per_sm": ROWS_PROGRAMS_PER_SM}
-        if one_buffer_loop(t) or (ROWS_DEPTH == 1 and one_buffer_loop(1)):  # one_buffer_loop(1): INT4_DEPTH is 1
+        rows_one_buffer = ROWS_DEPTH == 1 and one_buffer_loop(1) and (config or {}).get("qblk")  # (1): INT4_DEPTH is 1
+        if one_buffer_loop(t) or rows_one_buffer:
             cfg["depth"] = 1
     cfg.update(config or {})
     return cfg
