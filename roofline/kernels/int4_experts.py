@@ -509,7 +509,7 @@ ROWS_PROGRAMS_PER_SM = 8.0
 ROWS_DOWN_PROGRAMS_PER_SM = 8.0
 # Weight steps in flight a warp at 2-4 rows (both kernels) over block-repacked weights: one, as at one row (tc_groups'
 # DEPTH=1 loop; fewer registers a program). H100, session 39 (ab_step, 3 rounds, every round faster): the M = 3
-# verify graph 4.446 against 4.492 ms on the 122B (again: 4.396 against 4.457), 2.755 against 2.879 on the 35B-A3B;
+# verify graph 4.446 against 4.492 ms on the 122B (again: 4.394 against 4.457), 2.755 against 2.879 on the 35B-A3B;
 # one row unchanged. One-warp programs at 16 a SM (the same warps a SM) were -0.017 / -0.134 with it and
 # -0.013 / 0.000 without: not taken. In GPTQ order (an engine with MTP) the two-buffer loop stays: there it read 4.472
 # against 4.512 ms, faster in 2 of 3 rounds. ab_step's `experts-rows-depth-2` puts the two-buffer loop back;
@@ -541,7 +541,8 @@ def _tc_expert_config(t: int, config: dict | None, down: bool = False) -> dict:
             cfg = {"WN": 1, "KW": 1, "SPLIT_K": ONE_ROW_GATE_UP_SPLIT}
         else:
             cfg = {"WN": 2, "KW": 1, "programs_per_sm": ROWS_PROGRAMS_PER_SM}
-        rows_one_buffer = ROWS_DEPTH == 1 and one_buffer_loop(1) and (config or {}).get("qblk")  # (1): INT4_DEPTH is 1
+        # one_buffer_loop(1) is false only under ROOFLINE_INT4_DEPTH=2, which keeps the two-buffer loop everywhere
+        rows_one_buffer = ROWS_DEPTH == 1 and one_buffer_loop(1) and (config or {}).get("qblk")
         if one_buffer_loop(t) or rows_one_buffer:
             cfg["depth"] = 1
     cfg.update(config or {})

@@ -568,7 +568,7 @@ def tc_supported(x: torch.Tensor, n: int, k: int, group_size: int, wn: int = 1, 
 # WIDE_TILES column tiles (the merged in_proj_qkv+z, 160; attention's q/k/v, 136: the verify step's widest GEMVs) take
 # the one-buffer loop too (session 16; measured at four rows, block-repacked only). ROOFLINE_INT4_DEPTH=2 keeps the
 # two-buffer loop at every row count; =one-row takes the one-buffer loop at one row only for the GEMVs (session 15's
-# rule; the experts' rows follow int4_experts.ROWS_DEPTH, one-buffer since session 39 in the step). Since
+# rule; the experts' rows follow int4_experts.ROWS_DEPTH: one-buffer over block-repacked weights since session 39). Since
 # session 18 those GEMVs (>= NO_SPLIT_MIN_N columns) run without a K split at 2..4 rows (`no_split_config`, one
 # buffer whatever ROOFLINE_INT4_DEPTH says), so the several-rows part here applies only with NO_SPLIT_MAX_ROWS lowered.
 _DEPTH_ENV = os.environ.get("ROOFLINE_INT4_DEPTH", "1")
