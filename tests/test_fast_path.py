@@ -76,13 +76,19 @@ def test_fast_path_logits_close_in_bfloat16(hybrid):
         assert (a - b).abs().max() / a.abs().max() < 3e-2, prompt
 
 
-def test_block_repacked_int4_gives_the_same_tokens(hybrid, monkeypatch):
-    """Qweights block-repacked at load (the default without MTP): the same kernels' math on another weight order, so
-    the same greedy tokens in bfloat16 as the GPTQ order (ROOFLINE_INT4_QBLK=0)."""
+@pytest.mark.parametrize("k", [0, 2])
+def test_block_repacked_int4_gives_the_same_tokens(hybrid, monkeypatch, k):
+    """Qweights block-repacked at load (the default, MTP verify steps included): the same kernels' math on another
+    weight order, so the same greedy tokens in bfloat16 as the GPTQ order (ROOFLINE_INT4_QBLK=0)."""
+    from roofline.engine.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig(k) if k else None
     monkeypatch.setenv("ROOFLINE_INT4_QBLK", "0")
-    plain = Engine.from_pretrained(str(hybrid), device="cuda", dtype="bfloat16")
+    plain = Engine.from_pretrained(str(hybrid), device="cuda", dtype="bfloat16", speculative=spec)
     assert not any(getattr(m, "blocked", False) for m in plain.model.modules())
     monkeypatch.delenv("ROOFLINE_INT4_QBLK")
-    blocked = Engine.from_pretrained(str(hybrid), device="cuda", dtype="bfloat16")
+    blocked = Engine.from_pretrained(str(hybrid), device="cuda", dtype="bfloat16", speculative=spec)
     assert any(getattr(m, "blocked", False) for m in blocked.model.modules()), "nothing was block-repacked"
     assert greedy(blocked) == greedy(plain)
+    if k:
+        assert sum(blocked.speculator.drafted) > 0, "no verify step ran"

@@ -139,16 +139,16 @@ def test_a_blocked_weight_refuses_the_lanes_path():
         int4_matmul(torch.randn(1, 256), w.qweight, w.qzeros, w.scales, 128, config={"qblk": True})  # fp32 rows
 
 
-def test_the_weight_order_follows_speculation_unless_forced(monkeypatch):
+def test_the_weight_order_is_blocked_unless_forced(monkeypatch):
     monkeypatch.delenv("ROOFLINE_INT4_QBLK", raising=False)
-    assert block_int4_wanted(speculative=False)[0] and not block_int4_wanted(speculative=True)[0]
-    monkeypatch.setenv("ROOFLINE_INT4_QBLK", "1")
-    assert block_int4_wanted(speculative=True) == (True, "ROOFLINE_INT4_QBLK=1")
+    assert block_int4_wanted() == (True, "the default")
     monkeypatch.setenv("ROOFLINE_INT4_QBLK", "0")
-    assert block_int4_wanted(speculative=False) == (False, "ROOFLINE_INT4_QBLK=0")
+    assert block_int4_wanted() == (False, "ROOFLINE_INT4_QBLK=0")
+    monkeypatch.setenv("ROOFLINE_INT4_QBLK", "1")
+    assert block_int4_wanted() == (True, "ROOFLINE_INT4_QBLK=1")
     monkeypatch.setenv("ROOFLINE_INT4_QBLK", "yes")
     with pytest.raises(UserError, match="ROOFLINE_INT4_QBLK must be 0 or 1"):
-        block_int4_wanted(speculative=False)
+        block_int4_wanted()
 
 
 @pytest.mark.parametrize("kind", ["dequant", "triton"])

@@ -694,9 +694,7 @@ def format_report(r: dict) -> str:
              f"{r['environment']['device']}, commit {r['environment']['commit']}",
              f"copy bandwidth {r['copy_bandwidth'] / gb:.0f} GB/s; weights read per token {r['bytes']['weights_per_token'] / gb:.2f} GB, "
              f"GDN state {r['bytes']['gdn_state_rw'] / 1e6:.0f} MB, KV {r['bytes']['kv_per_context_token']} B per context token",
-             f"INT4 qweights in {r.get('int4_order', 'gptq')} order"
-             + (" (an engine with MTP on keeps GPTQ order: ROOFLINE_INT4_QBLK=0 measures its M rows)"
-                if r.get("int4_order") == "blocked" else ""),
+             f"INT4 qweights in {r.get('int4_order', 'gptq')} order",
              "", "| context | GB/token | ceiling tok/s | tok/s | ms/token | graph ms | of ceiling |", "|---|---|---|---|---|---|---|"]
     for row in r["decode"]:
         lines.append(f"| {row['context']} | {row['bytes_per_token'] / gb:.2f} | {row['ceiling_tok_s']:.0f} | {row['tok_s']:.1f} | "

@@ -201,8 +201,7 @@ class Engine:
             quantize_lm_head_int8(net)
         else:
             log.info("LM head kept as stored (%s)", net.lm_head.FORMAT)
-        fast = (install_fast_path(net, allow_cpu=bool(cuda_graphs), speculative=speculative is not None) if fast_path
-                else FastPath())
+        fast = install_fast_path(net, allow_cpu=bool(cuda_graphs)) if fast_path else FastPath()
         if not fast_path:
             log.info("fast path off: running the PyTorch reference path")
         pooled = cuda_graphs if cuda_graphs is not None else (device.startswith("cuda") and fast.graph_ready)

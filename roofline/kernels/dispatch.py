@@ -343,10 +343,11 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
 
 
 # INT4 qweights block-repacked at load for the tensor-core kernels (quant.int4.block_qweight): each warp-step 2 KB
-# contiguous. On by default for plain decode: H200, 122B, context 0, alternating A/B (session 9, NOTES-kernels run 11):
-# step 3.49 against 3.90 ms (graph 3.35 against 3.66), +12% tok/s. Off when MTP speculation is configured: the
-# verify steps were no faster and at M=4 slower in that order (means of 4 and 3 runs: M=2 4.96 both, M=3 5.53 against
-# 5.41, M=4 5.92 against 5.65 ms). ROOFLINE_INT4_QBLK=1 / =0 forces it either way.
+# contiguous. H200, 122B, context 0, alternating A/B (session 9, NOTES-kernels run 11): step 3.49 against 3.90 ms
+# (graph 3.35 against 3.66), +12% tok/s. Run 11 kept GPTQ order for engines with MTP (its verify steps were no faster
+# blocked then); since session 40 they block-repack too: on the kernels of sessions 12-39 the blocked verify rows were
+# faster (H100, 122B: M = 2 / 3 steps 4.38-4.45 / 4.63-4.74 ms against 5.00-5.17 / 5.10-5.25, the M = 3 graph with the
+# rollback saves 4.39 against 4.47). ROOFLINE_INT4_QBLK=1 / =0 forces either order.
 QBLK_ENV = "ROOFLINE_INT4_QBLK"
 
 
@@ -395,21 +396,18 @@ def _block_int4_weights(model: torch.nn.Module, dtype: torch.dtype, installed: C
         installed["int4 weights block-repacked"] += count
 
 
-def block_int4_wanted(speculative: bool) -> tuple[bool, str]:
-    """(whether to block-repack the INT4 qweights, why): `QBLK_ENV` when set, else on unless MTP verify steps run."""
+def block_int4_wanted() -> tuple[bool, str]:
+    """(whether to block-repack the INT4 qweights, why): `QBLK_ENV` when set, else on."""
     forced = os.environ.get(QBLK_ENV)
     if forced in ("0", "1"):
         return forced == "1", f"{QBLK_ENV}={forced}"
     if forced:
         raise UserError(f"{QBLK_ENV} must be 0 or 1, got {forced!r}")
-    if speculative:
-        return False, "MTP speculation is on: the GPTQ order's verify steps (M = 2-4) were faster on the H200"
-    return True, "the default for decode without speculation"
+    return True, "the default"
 
 
-def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculative: bool = False) -> FastPath:
-    """Install the Triton decode kernels on `model`; `allow_cpu` (tests) runs them in Triton's interpreter;
-    `speculative`: MTP verify steps will run (the INT4 weight order is chosen for them, `block_int4_wanted`)."""
+def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPath:
+    """Install the Triton decode kernels on `model`; `allow_cpu` (tests) runs them in Triton's interpreter."""
     result = FastPath()
     installed = result.installed
     device = model.device
@@ -462,7 +460,7 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False, speculati
     if installed["gdn decode"] and not fla and device.type == "cuda":
         log.warning("GDN prefill runs the PyTorch loop over tokens: fla-core is not installed (pip install 'roofline[gpu]')")
     _install_merged_projections(model, installed)
-    block, why = block_int4_wanted(speculative)
+    block, why = block_int4_wanted()
     if block:
         _block_int4_weights(model, model.dtype, installed)
     if installed["int4 weights block-repacked"]:
