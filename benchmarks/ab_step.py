@@ -254,11 +254,6 @@ VARIANTS = {
     # session 39's verify default against the rule before: the routed experts' 2-4 row programs over block-repacked
     # weights with two weight steps in flight
     "experts-rows-depth-2": _module_setting("roofline.kernels.int4_experts", "ROWS_DEPTH", 2),
-    # queued (session 39, not yet measured): the one-buffer rows' lighter programs at 12 a SM (session 27 measured 12
-    # on the two-buffer loop: no faster than 8)
-    "experts-rows-12-per-sm": ("roofline.kernels.int4_experts.ROWS_PROGRAMS_PER_SM=12.0, ROWS_DOWN_PROGRAMS_PER_SM=12.0", [
-        ("roofline.kernels.int4_experts", "ROWS_PROGRAMS_PER_SM", 12.0),
-        ("roofline.kernels.int4_experts", "ROWS_DOWN_PROGRAMS_PER_SM", 12.0)]),
     # session 28: the INT4 GEMVs' K-split sum at one row on the multi-row tile's lanes (4 splits' loads at a time, a
     # quarter of the lanes holding the row) against every lane summing its column's splits, 32 splits' loads at once
     "int4-one-row-tile-sum": _module_setting("roofline.kernels.int4_tc", "ONE_ROW_FLAT_SUM", False),

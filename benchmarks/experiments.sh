@@ -29,9 +29,9 @@
 #                                                   # default against session 17's router and INT4 configs (session
 #                                                   # 18's defaults replaced them) and the router's separate top-k
 #                                                   # past two rows (measured slower in session 17) (~2 min)
-#   OUT=... bash benchmarks/experiments.sh ab-order # INT4 qweights in GPTQ order (what an engine with MTP keeps)
-#                                                   # against block-repacked, now on distinct-id verify rows (~8 min;
-#                                                   # chosen at install time, so two bench runs each round)
+#   OUT=... bash benchmarks/experiments.sh ab-order # INT4 qweights in GPTQ order (ROOFLINE_INT4_QBLK=0) against
+#                                                   # block-repacked (the default), on distinct-id verify rows (~2-8
+#                                                   # min; chosen at install time, so two bench runs each round)
 # Each step has its own time limit and writes under $OUT, so a failure or a timeout loses only itself. Set
 # ROOFLINE_COMMIT to the commit the tree is (the device copy's git metadata may not say). fla-core is installed
 # from .carry/ as synthetic.sh does.
@@ -156,7 +156,8 @@ case "${1:-}" in
     trees_ab this 2
     trees_ab before 2
     ;;
-  ab-order)  # the MTP engine keeps GPTQ order because its verify rows measured faster there on one id repeated
+  ab-order)  # run 11 kept GPTQ order for MTP engines (verify rows faster there then); session 40 measured the blocked
+    # order faster at M = 1-3 on an H100, and MTP engines block-repack too
     for round in a b; do
       ROOFLINE_INT4_QBLK=0 synthetic "gptq-order-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0
       ROOFLINE_INT4_QBLK=1 synthetic "blocked-order-$round" 110 --prefill 0 --engine-tokens 0 --batch-decode 0

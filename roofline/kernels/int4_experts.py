@@ -504,16 +504,17 @@ def _down_tc_kernel(
 # the 122B's M = 3 verify graph 4.538 against 4.758 ms, every round; 12 (down split too) 4.561; one row unchanged; the
 # 35B-A3B's M = 3 the same at 8 (2.834 against 2.836), +0.07 at 12; session 28 (the same A/B back to 4): 4.565 against
 # 4.764. The down kernel's own constant: its 48 column tiles keep no K split up to ~8.7 a SM; at 16 (a split of 2) the
-# M = 3 graph was the same (session 28: -0.004 ms).
+# M = 3 graph was the same (session 28: -0.004 ms). With the one-buffer rows (ROWS_DEPTH, lighter programs) 12 a SM
+# both kernels was again slower: H100, session 40, M = 3 graph +0.017 ms on the 122B, +0.024 on the 35B-A3B.
 ROWS_PROGRAMS_PER_SM = 8.0
 ROWS_DOWN_PROGRAMS_PER_SM = 8.0
 # Weight steps in flight a warp at 2-4 rows (both kernels) over block-repacked weights: one, as at one row (tc_groups'
 # DEPTH=1 loop; fewer registers a program). H100, session 39 (ab_step, 3 rounds, every round faster): the M = 3
 # verify graph 4.446 against 4.492 ms on the 122B (again: 4.394 against 4.457), 2.755 against 2.879 on the 35B-A3B;
 # one row unchanged. One-warp programs at 16 a SM (the same warps a SM) were -0.017 / -0.134 with it and
-# -0.013 / 0.000 without: not taken. In GPTQ order (an engine with MTP) the two-buffer loop stays: there it read 4.472
-# against 4.512 ms, faster in 2 of 3 rounds. ab_step's `experts-rows-depth-2` puts the two-buffer loop back;
-# ROOFLINE_INT4_DEPTH=2 does too, everywhere.
+# -0.013 / 0.000 without: not taken. Session 40 again: depth 2 +0.069 ms (122B), +0.126 (35B-A3B). In GPTQ order
+# (ROOFLINE_INT4_QBLK=0) the two-buffer loop stays: there it read 4.472 against 4.512 ms, faster in 2 of 3 rounds.
+# ab_step's `experts-rows-depth-2` puts the two-buffer loop back; ROOFLINE_INT4_DEPTH=2 does too, everywhere.
 ROWS_DEPTH = 1
 # The one-row configs (the H200 sweeps in _tc_expert_config's docstring, of each kernel alone). In the step on an H100
 # (session 28, ab_step, 3 rounds, one-row graph 3.556 ms) their neighbours were no faster: gate_up's K split 6 +0.008,
