@@ -299,16 +299,15 @@ class MtpSpeculator:
                 stats=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [B, k+1], accepted [B]) on the device: row i's first accepted[i] tokens are its accepted drafts and
         the next one comes from the main model. Greedy rows accept drafts equal to the main model's argmax (`stats`'
-        ids where the fused kernel gave them); sampled rows accept d_j with probability min(1, p/q) and otherwise draw
-        from the normalised positive part of p - q (from p after the last draft)."""
+        ids, which `verify` gives when every row is greedy and unpenalised); sampled rows accept d_j with probability
+        min(1, p/q) and otherwise draw from the normalised positive part of p - q (from p after the last draft)."""
         b, m = ids.shape
         drafts = ids[:, 1:]
+        if stats is not None:
+            target = stats.ids.view(b, m)
+            return target, _leading_true(target[:, :-1] == drafts)  # a greedy row's accepted drafts equal its argmax
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         penalised = any(p.penalised for p in params)
-        if not (sampled or penalised):
-            target = logits.view(b, m, -1).argmax(dim=-1) if stats is None else stats.ids.view(b, m)
-            accepted = _leading_true(target[:, :-1] == drafts)
-            return target, accepted  # a greedy row's accepted drafts equal its argmax
         rows = [i for i in range(b) for _ in range(m)]
         so_far = drafts.tolist() if penalised else None
         p = self.sampler.probabilities(
