@@ -5,7 +5,8 @@
 #   OUT=... bash benchmarks/experiments.sh trees    # the GDN GPU tests, and the step against an earlier tree
 #                                                   # (ROOFLINE_BEFORE: that commit's roofline package in
 #                                                   # .carry/before), in alternating processes (~6 min); `trees-ab`
-#                                                   # the A/B alone, with TREE_VARIANTS (ab_step variants) in each
+#                                                   # the A/B alone, with TREE_VARIANTS (ab_step variants) in each,
+#                                                   # at TREE_CONTEXT tokens (default 0)
 #   OUT=... bash benchmarks/experiments.sh next     # the kernels' GPU test file whole (~3-6 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min); `table`: without its greedy GPU tests
@@ -147,7 +148,8 @@ case "${1:-}" in
       [ "$tree" = before ] && path=$PWD/.carry/before commit=$ROOFLINE_BEFORE
       echo "== $tree $pair"  # a script's imports search its folder, then PYTHONPATH: $path's roofline
       PYTHONPATH=$path:$PYTHONPATH ROOFLINE_COMMIT=$commit timeout 150 python3 benchmarks/ab_step.py \
-        --variants "${TREE_VARIANTS:-}" --rounds 3 --out "$OUT/ab-$tree-$pair.json" 2>&1 | tail -5
+        --variants "${TREE_VARIANTS:-}" --rounds 3 --context "${TREE_CONTEXT:-0}" --out "$OUT/ab-$tree-$pair.json" 2>&1 \
+        | tail -5
     }
     [ "$1" = trees ] && gpu_tests 150 tests/test_kernels.py -m gpu -k gdn
     trees_ab before 1
