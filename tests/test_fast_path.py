@@ -8,6 +8,7 @@ import torch
 
 from roofline.engine.engine import Engine
 from roofline.engine.sampling import SamplingParams
+from roofline.engine.speculative import SpeculativeConfig
 from roofline.hub import BUNDLED_MODEL
 
 pytestmark = pytest.mark.gpu
@@ -46,8 +47,6 @@ def test_fast_path_installs_every_packed_format(hybrid):
 
 @pytest.mark.parametrize("k", [0, 2])
 def test_fast_path_greedy_tokens_equal_reference_path(hybrid, k):
-    from roofline.engine.speculative import SpeculativeConfig
-
     spec = SpeculativeConfig(k) if k else None
     reference = greedy(Engine.from_pretrained(str(hybrid), device="cuda", dtype="float32", fast_path=False, speculative=spec))
     fast = greedy(Engine.from_pretrained(str(hybrid), device="cuda", dtype="float32", speculative=spec))
@@ -80,8 +79,6 @@ def test_fast_path_logits_close_in_bfloat16(hybrid):
 def test_block_repacked_int4_gives_the_same_tokens(hybrid, monkeypatch, k):
     """Qweights block-repacked at load (the default, MTP verify steps included): the same kernels' math on another
     weight order, so the same greedy tokens in bfloat16 as the GPTQ order (ROOFLINE_INT4_QBLK=0)."""
-    from roofline.engine.speculative import SpeculativeConfig
-
     spec = SpeculativeConfig(k) if k else None
     monkeypatch.setenv("ROOFLINE_INT4_QBLK", "0")
     plain = Engine.from_pretrained(str(hybrid), device="cuda", dtype="bfloat16", speculative=spec)
