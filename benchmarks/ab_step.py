@@ -1,8 +1,8 @@
 """Experiment: several A/B comparisons of the decode step in one process, on one synthetic model built once.
 
     PYTHONPATH=$PWD python benchmarks/ab_step.py --variants router-split,int4-split-verify [--shape qwen3.5-122b-a10b]
-        [--rounds 3] [--repeats 20] [--context 0] [--out FILE]   (CUDA; JSON to FILE, else ab_step.json in $OUT,
-        else in benchmarks/results/)
+        [--rounds 3] [--repeats 20] [--context 0] [--capacity N] [--out FILE]
+        (CUDA; JSON to FILE, else ab_step.json in $OUT, else in benchmarks/results/)
 
 Why: each `experiments.sh ab*` phase runs `bench synthetic` four times, and each run builds the 122B's random weights
 (~70 GB) again: ~8 minutes of a 30-minute device budget for one comparison. Every switch below is read when a kernel
@@ -301,10 +301,10 @@ def variant(name: str):
 
 
 def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: int | None = None,
-           device: str = "cuda", progress=print, context: int = 0) -> dict:
+           device: str = "cuda", progress=print, context: int = 0, capacity: int | None = None) -> dict:
     """The comparison as a JSON-ready dict, with the sequence holding `context` tokens (random KV) before the timed
-    steps. On device "cpu" under TRITON_INTERPRET=1 (the tests' dry run on the tiny shape) the kernels run in the
-    interpreter in fp32 and nothing is captured."""
+    steps in a cache pool of `capacity` tokens (default below). On device "cpu" under TRITON_INTERPRET=1 (the tests'
+    dry run on the tiny shape) the kernels run in the interpreter in fp32 and nothing is captured."""
     import torch
 
     from roofline.bench.environment import environment
@@ -319,15 +319,18 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
     for name in names:
         with variant(name):  # an unknown name or a renamed flag fails here, before the model is built
             pass
+    capacity = capacity or next_pow2(context + 4096)
+    if capacity < context + 4096:  # checked before the model is built, as the variants are
+        raise ValueError(f"--capacity {capacity} leaves no room for the timed steps past a {context}-token context")
     cuda = torch.device(device).type == "cuda"
     model, _ = build_synthetic_model(shape, resolve_layout(DEFAULT_LAYOUT, {"lm_head": "int8"}), device, layers=layers)
     fast = install_fast_path(model, allow_cpu=not cuda)
     # room past the context for every round's timed steps (each advances the sequence), rounded up to a power of two
     # as the engine's pools of max_model_len are: the decode graphs' attention span is the power-of-two bucket past the
     # sequence (64K at a 32K context), as in `bench synthetic` and serving (before session 37: context + 4096, a 36K
-    # span at 32K)
-    pool = CachePool(model.config, model.config.layer_types, 1, next_pow2(context + 4096), model.device, model.dtype,
-                     state_buffers=2)
+    # span at 32K). `bench synthetic` and a server allocate their whole capacity (256K by default) instead: the span is
+    # the same, the pool's rows far longer
+    pool = CachePool(model.config, model.config.layer_types, 1, capacity, model.device, model.dtype, state_buffers=2)
     cache = pool.acquire()
     fill_context(SyntheticRun(model, pool, None, cache, None), context)
 
@@ -355,7 +358,7 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
             t = times[name]
             progress(f"round {r} {name:16s} M=1 graph {t['m1_graph_ms'][-1]:.3f} ms, M=3 graph {t['m3_graph_ms'][-1]:.3f} ms")
     summary = {name: {key: statistics.median(values) for key, values in t.items()} for name, t in times.items()}
-    return {"benchmark": "ab_step", "shape": shape, "layers": layers, "context": context,
+    return {"benchmark": "ab_step", "shape": shape, "layers": layers, "context": context, "capacity": capacity,
             "environment": environment(device),
             "kernels": dict(fast.installed), "rounds": rounds, "repeats": repeats,
             "variants": {name: VARIANTS[name][0] if name != "default" else "defaults" for name in names},
@@ -372,11 +375,13 @@ def main():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--context", type=int, default=0, help="tokens the sequence holds before the timed steps")
+    ap.add_argument("--capacity", type=int, default=None,
+                    help="the cache pool's tokens (default: the power of two past context + 4096)")
     ap.add_argument("--out", default=None, help="the JSON's path (default: ab_step.json in $OUT, else "
                                                 "benchmarks/results/): runs in one call each need their own")
     args = ap.parse_args()
     result = run_ab(args.shape, [v for v in args.variants.split(",") if v], args.rounds, args.repeats, args.layers,
-                    context=args.context)
+                    context=args.context, capacity=args.capacity)
     base = result["median"]["default"]
     for name, s in result["median"].items():
         print(f"{name:16s} M=1 {s['m1_graph_ms']:.3f} ms ({s['m1_graph_ms'] - base['m1_graph_ms']:+.3f}), "
