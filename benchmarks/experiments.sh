@@ -20,6 +20,8 @@
 #   OUT=... bash benchmarks/experiments.sh kernels  # INT8 LM head around its tile, INT4 GEMM against the decode
 #                                                   # experts kernels in 16-token chunks (~2 min)
 #   OUT=... bash benchmarks/experiments.sh attn     # decode attention's tile sweep at 8K / 32K (~2 min)
+#   OUT=... bash benchmarks/experiments.sh pool     # the 8K step in a 256K-row cache pool against a 16K one: decode
+#                                                   # attention alone, then ab_step in alternating processes (~5 min)
 #   OUT=... bash benchmarks/experiments.sh splits   # the attention splits by length against by span at 32K (27B,
 #                                                   # 122B; session 37) with the attention GPU tests (~4 min)
 #   OUT=... bash benchmarks/experiments.sh floor    # what a kernel costs in a captured PDL chain before any math:
@@ -122,6 +124,16 @@ case "${1:-}" in
   attn)  # decode attention's tiles at 8K / 32K, M = 1 and 4 (the 32K row is ~0.45 of copy in the step), ~2 min
     timeout 300 python3 benchmarks/kernels.py --only attn 2>&1 | tail -40
     ;;
+  pool)  # the 8K step in bench synthetic's 256K-row pool against ab_step's 16K one (session 41: 3.795 against 3.60 ms
+    # on one H100): decode attention alone at 8K keys in both pools, then ab_step's default at 8K in alternating
+    # processes, ABBA (~5 min)
+    timeout 120 python3 benchmarks/kernels.py --only attn --quick --no-sweep 2>&1 | grep "pool rows"
+    for capacity in 16384 262144 262144 16384; do
+      echo "== capacity $capacity"
+      timeout 110 python3 benchmarks/ab_step.py --variants "" --rounds 3 --context 8192 --capacity $capacity \
+        --out "$OUT/ab-pool-$capacity-$(date +%H%M%S).json" 2>&1 | tail -2
+    done
+    ;;
   splits)  # session 37's attention splits shared by the sequence's length (SPLIT_BY_LENGTH) against the span's, at 32K
     # where the 64K bucket left half of them empty: the attention GPU tests, then one ab_step process a shape (~4 min)
     gpu_tests 120 tests/test_kernels.py -m gpu -k decode_attention
@@ -166,7 +178,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|splits|ab|trees|trees-ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|pool|splits|ab|trees|trees-ab|ab-order" >&2
     exit 2
     ;;
 esac

@@ -475,6 +475,21 @@ def bench_attention(b: Bench, quick: bool):
             b.record("decode_attention", shape, nbytes, t, baseline=base, note="baseline: torch SDPA with enable_gqa")
         del caches
         torch.cuda.empty_cache()
+    # 8K keys in the 16K span bucket, at the start of pools of 16K rows (ab_step's) and 256K rows (bench synthetic's
+    # and a server's default capacity): the 122B's 8K step read 3.795 ms graph in bench synthetic against 3.60 in
+    # ab_step on one H100 (session 41)
+    ctx, span = 8192, 16384
+    lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+    q = torch.randn(1, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    nbytes = 2 * ctx * hkv * d * 2 + 2 * q.numel() * 2
+    for rows in (span, 262144):
+        caches = [(torch.randn(1, rows, hkv, d, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(1, rows, hkv, d, device="cuda", dtype=torch.bfloat16))
+                  for _ in range(copies_for(nbytes, floor=2, cap=12))]
+        t = median_us(Rotor(lambda k, v: decode_attention(q, k, v, lens, max_len=span), caches))
+        b.record("decode_attention", f"attn ctx={ctx} span={span} pool rows={rows} M=1 {hq}q/{hkv}kv d{d}", nbytes, t)
+        del caches
+        torch.cuda.empty_cache()
 
 
 def _gemm_configs(small: bool) -> list[tuple[str, dict]]:
