@@ -4,7 +4,7 @@ Session 13 measured greedy MTP-2 through the engine at 9.58 ms a step on the 122
 verify graph and two draft graphs) add up to 6.23 ms. This runs the same loop under torch.profiler, with the
 speculator's and the graph runner's methods labelled, and prints per step: wall time, GPU kernel time (busy) and
 the labelled regions' host time, then the host ops and GPU kernels that take the most. JSON under $OUT (or
-benchmarks/results/).
+benchmarks/results/): profile-mtp-engine.json, or with --no-profile profile-mtp-engine-unprofiled.json.
 
     python benchmarks/profile_mtp_engine.py --shape qwen3.5-122b-a10b [--layers N] [--steps 20]
 """
@@ -21,6 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from kernels import write_result
+from roofline.bench.environment import environment
 from roofline.bench.synthetic import ENGINE_SAMPLING, _one_sequence_engine, build_synthetic_model
 from roofline.checkpoint.shapes import resolve_layout
 from roofline.engine.graphs import DecodeGraphs
@@ -62,7 +63,7 @@ def main():
     args = ap.parse_args()
     formats = resolve_layout("hybrid", {"lm_head": "int8"})  # bench synthetic's default layout
     model, _ = build_synthetic_model(args.shape, formats, "cuda", layers=args.layers)
-    install_fast_path(model)
+    fast = install_fast_path(model)
     label_methods()
     engine = _one_sequence_engine(model, args.max_model_len or 16 + args.warmup * 4 + args.steps * 4 + 64,
                                   speculative=SpeculativeConfig(args.mtp))
@@ -74,7 +75,9 @@ def main():
         engine.step()
     torch.cuda.synchronize()
     walls = step_walls(engine, args.steps)  # without the profiler, whose tracing slows graph launches
-    meta = {"shape": args.shape, "layers": args.layers, "mtp": args.mtp, "pdl": pdl_supported(model.device),
+    meta = {"shape": args.shape, "layers": args.layers, "mtp": args.mtp, "environment": environment(model.device),
+            "int4_order": "blocked" if fast.installed["int4 weights block-repacked"] else "gptq",
+            "pdl": pdl_supported(model.device),
             "capture_graphs": captured,
             "unprofiled_step_ms_median": sorted(walls)[len(walls) // 2], "unprofiled_step_ms": walls}
     # Before the profiler: once it has run, every graph launch in the process costs far more host time (H100, session
@@ -83,6 +86,7 @@ def main():
     meta["graph_launches"] = graph_launches(engine)
     if args.no_profile:
         print(json.dumps(meta, indent=1))
+        write_result("profile-mtp-engine-unprofiled", meta)
         return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         walls = step_walls(engine, args.steps, label="Engine.step")
