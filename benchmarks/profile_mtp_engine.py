@@ -76,8 +76,7 @@ def main():
     torch.cuda.synchronize()
     walls = step_walls(engine, args.steps)  # without the profiler, whose tracing slows graph launches
     meta = {"shape": args.shape, "layers": args.layers, "mtp": args.mtp, "environment": environment(model.device),
-            "int4_order": "blocked" if fast.installed["int4 weights block-repacked"] else "gptq",
-            "pdl": pdl_supported(model.device),
+            "int4_order": fast.int4_order, "pdl": pdl_supported(model.device),
             "capture_graphs": captured,
             "unprofiled_step_ms_median": sorted(walls)[len(walls) // 2], "unprofiled_step_ms": walls}
     # Before the profiler: once it has run, every graph launch in the process costs far more host time (H100, session

@@ -576,7 +576,7 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     result.update({
         "copy_bandwidth": copy_bw,
         "kernels": dict(fast.installed),
-        "int4_order": "blocked" if fast.installed["int4 weights block-repacked"] else "gptq",
+        "int4_order": fast.int4_order,
         "capacity_tokens": capacity,
         "bytes": {"weights_per_token": tb.weights, "routed_experts_stored": tb.experts_stored, "dense": tb.dense,
                   "lm_head": tb.lm_head, "embed_row": tb.embed_row, "gdn_state_rw": state_bytes,

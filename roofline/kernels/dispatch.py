@@ -248,6 +248,11 @@ class FastPath:
     def graph_ready(self) -> bool:
         return bool(self.installed) and not self.graph_blockers
 
+    @property
+    def int4_order(self) -> str:
+        """The INT4 qweights' order: "blocked" (block-repacked at load) or "gptq" (as stored)."""
+        return "blocked" if self.installed["int4 weights block-repacked"] else "gptq"
+
 
 def install_weight_kernel(weight: LinearWeight) -> str | None:
     """Give one (non-expert) packed weight its Triton decode `forward`; returns its kind, None for dense."""
