@@ -56,6 +56,7 @@ log = logging.getLogger("roofline.bench")
 
 # The issue's default layout: public INT4 (experts, attention, GDN), shared experts FP8, INT8 LM head.
 DEFAULT_LAYOUT = "hybrid"
+DECODE_ROUNDS = 3  # timed rounds over the context rows, their median reported (decode_rows)
 
 
 def build_synthetic_model(shape: str, formats: dict[str, str], device, dtype=None, layers: int | None = None,
@@ -181,6 +182,24 @@ def decode_ms(run: SyntheticRun, m: int, repeats: int, rollback: bool = False, d
         return step_ms, step_ms
     buf = run.graphs.run(ids, [run.cache], m, rollback=rollback)
     return step_ms, device_ms(buf.graph.replay, repeats)
+
+
+def decode_rows(run: SyntheticRun, contexts, repeats: int) -> dict[int, tuple[float, float, list[dict]]]:
+    """Per context: (step ms, graph ms, each round's pair), the medians over DECODE_ROUNDS rounds (one without
+    graphs: the dry run's interpreter steps are slow and it has no transient to outlast). Every context's graph is
+    captured before the first timed round and the rounds alternate their order: timed once, right after the
+    capture, the second row of a run read ~0.15 ms slow on an H100 (session 42, benchmarks/graph_order.py: 8K after
+    0 3.739 ms, the same graph 3.580 in later rounds; 0 after 8K 3.589 against 3.448), the first ~0.03 ms fast."""
+    for context in contexts:
+        run.graphs.buffers_for(1, 1, context + 1)  # captured where new (a step at `context` meets this bucket)
+    rounds = {context: [] for context in contexts}
+    for r in range(DECODE_ROUNDS if run.graphs.use_graphs else 1):
+        for context in (contexts if r % 2 == 0 else contexts[::-1]):
+            fill_context(run, context)
+            step, replay = decode_ms(run, 1, repeats)
+            rounds[context].append({"step_ms": step, "replay_ms": replay})
+    return {c: (statistics.median(t["step_ms"] for t in rounds[c]), statistics.median(t["replay_ms"] for t in rounds[c]),
+                rounds[c]) for c in contexts}
 
 
 def distinct_experts(run: SyntheticRun, m: int, distinct: bool = False) -> float | None:
@@ -583,13 +602,12 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                   "kv_per_context_token": kv_per_token, "note": "INT4 zero points counted though symmetric kernels skip them"},
     })
     rows = []
-    for context in contexts:
-        fill_context(run, context)
-        step, replay = decode_ms(run, 1, repeats)
+    for context, (step, replay, rounds) in decode_rows(run, contexts, repeats).items():
         per_token = tb.weights + state_bytes + kv_per_token * context
         ceiling = copy_bw / per_token
         rows.append({"context": context, "step_ms": step, "replay_ms": replay, "tok_s": 1e3 / step,
-                     "bytes_per_token": per_token, "ceiling_tok_s": ceiling, "fraction_of_ceiling": 1e3 / step / ceiling})
+                     "bytes_per_token": per_token, "ceiling_tok_s": ceiling, "fraction_of_ceiling": 1e3 / step / ceiling,
+                     "rounds": rounds})
         progress(f"context {context}: {1e3 / step:.1f} tok/s ({step:.3f} ms/token, graph {replay:.3f} ms), "
                  f"ceiling {ceiling:.0f} tok/s -> {rows[-1]['fraction_of_ceiling']:.2f}")
     result["decode"] = rows
