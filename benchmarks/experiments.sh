@@ -6,7 +6,8 @@
 #                                                   # (ROOFLINE_BEFORE: that commit's roofline package in
 #                                                   # .carry/before), in alternating processes (~6 min); `trees-ab`
 #                                                   # the A/B alone, with TREE_VARIANTS (ab_step variants) in each,
-#                                                   # at TREE_CONTEXT tokens (default 0)
+#                                                   # at TREE_CONTEXT tokens (default 0), on TREE_SHAPE (default
+#                                                   # the 122B)
 #   OUT=... bash benchmarks/experiments.sh next     # the kernels' GPU test file whole (~3-6 min)
 #   OUT=... bash benchmarks/experiments.sh first    # the 122B table with prefill, the engine loop and the kernel
 #                                                   # profile (~5 min); `table`: without its greedy GPU tests
@@ -160,7 +161,8 @@ case "${1:-}" in
       [ "$tree" = before ] && path=$PWD/.carry/before commit=$ROOFLINE_BEFORE
       echo "== $tree $pair"  # a script's imports search its folder, then PYTHONPATH: $path's roofline
       PYTHONPATH=$path:$PYTHONPATH ROOFLINE_COMMIT=$commit timeout 150 python3 benchmarks/ab_step.py \
-        --variants "${TREE_VARIANTS:-}" --rounds 3 --context "${TREE_CONTEXT:-0}" --out "$OUT/ab-$tree-$pair.json" 2>&1 \
+        --shape "${TREE_SHAPE:-qwen3.5-122b-a10b}" --variants "${TREE_VARIANTS:-}" --rounds 3 --context "${TREE_CONTEXT:-0}" \
+        --out "$OUT/ab-$tree-$pair.json" 2>&1 \
         | tail -5
     }
     [ "$1" = trees ] && gpu_tests 150 tests/test_kernels.py -m gpu -k gdn
