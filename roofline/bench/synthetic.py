@@ -184,22 +184,21 @@ def decode_ms(run: SyntheticRun, m: int, repeats: int, rollback: bool = False, d
     return step_ms, device_ms(buf.graph.replay, repeats)
 
 
-def decode_rows(run: SyntheticRun, contexts, repeats: int) -> dict[int, tuple[float, float, list[dict]]]:
-    """Per context: (step ms, graph ms, each round's pair), the medians over DECODE_ROUNDS rounds (one without
-    graphs: the dry run's interpreter steps are slow and it has no transient to outlast). Every context's graph is
-    captured before the first timed round and the rounds alternate their order: timed once, right after the
+def decode_rows(run: SyntheticRun, contexts, repeats: int, rounds: int) -> dict[int, tuple[float, float, list[dict]]]:
+    """Per context: (step ms, graph ms, each round's pair), the medians over `rounds` rounds. Every context's graph
+    is captured before the first timed round and the rounds alternate their order: timed once, right after the
     capture, the second row of a run read ~0.15 ms slow on an H100 (session 42, benchmarks/graph_order.py: 8K after
     0 3.739 ms, the same graph 3.580 in later rounds; 0 after 8K 3.589 against 3.448), the first ~0.03 ms fast."""
     for context in contexts:
         run.graphs.buffers_for(1, 1, context + 1)  # captured where new (a step at `context` meets this bucket)
-    rounds = {context: [] for context in contexts}
-    for r in range(DECODE_ROUNDS if run.graphs.use_graphs else 1):
+    times = {context: [] for context in contexts}
+    for r in range(rounds):
         for context in (contexts if r % 2 == 0 else contexts[::-1]):
             fill_context(run, context)
             step, replay = decode_ms(run, 1, repeats)
-            rounds[context].append({"step_ms": step, "replay_ms": replay})
-    return {c: (statistics.median(t["step_ms"] for t in rounds[c]), statistics.median(t["replay_ms"] for t in rounds[c]),
-                rounds[c]) for c in contexts}
+            times[context].append({"step_ms": step, "replay_ms": replay})
+    return {c: (statistics.median(t["step_ms"] for t in times[c]), statistics.median(t["replay_ms"] for t in times[c]),
+                times[c]) for c in contexts}
 
 
 def distinct_experts(run: SyntheticRun, m: int, distinct: bool = False) -> float | None:
@@ -602,7 +601,8 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
                   "kv_per_context_token": kv_per_token, "note": "INT4 zero points counted though symmetric kernels skip them"},
     })
     rows = []
-    for context, (step, replay, rounds) in decode_rows(run, contexts, repeats).items():
+    # one round without graphs: the dry run's interpreter steps are slow, and it has no GPU transient to outlast
+    for context, (step, replay, rounds) in decode_rows(run, contexts, repeats, DECODE_ROUNDS if cuda else 1).items():
         per_token = tb.weights + state_bytes + kv_per_token * context
         ceiling = copy_bw / per_token
         rows.append({"context": context, "step_ms": step, "replay_ms": replay, "tok_s": 1e3 / step,
