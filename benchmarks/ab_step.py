@@ -300,6 +300,24 @@ def variant(name: str):
             setattr(module, attr, value)
 
 
+def one_sequence_setup(shape: str, device, capacity: int, layers: int | None = None):
+    """(model, fast path, pool, cache): the synthetic model in the default layout (INT8 LM head) with its fast path,
+    a one-slot cache pool of `capacity` tokens with two GDN state buffers (as with MTP) and its sequence, what the
+    one-process experiments here (this script, graph_order.py) time on one build. Here, not in the package:
+    `experiments.sh trees` runs this script against earlier trees' packages."""
+    import torch
+
+    from roofline.bench.synthetic import DEFAULT_LAYOUT, build_synthetic_model
+    from roofline.checkpoint.shapes import resolve_layout
+    from roofline.engine.cache import CachePool
+    from roofline.kernels.dispatch import install_fast_path
+
+    model, _ = build_synthetic_model(shape, resolve_layout(DEFAULT_LAYOUT, {"lm_head": "int8"}), device, layers=layers)
+    fast = install_fast_path(model, allow_cpu=torch.device(device).type != "cuda")
+    pool = CachePool(model.config, model.config.layer_types, 1, capacity, model.device, model.dtype, state_buffers=2)
+    return model, fast, pool, pool.acquire()
+
+
 def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: int | None = None,
            device: str = "cuda", progress=print, context: int = 0, capacity: int | None = None) -> dict:
     """The comparison as a JSON-ready dict, with the sequence holding `context` tokens (random KV) before the timed
@@ -308,12 +326,9 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
     import torch
 
     from roofline.bench.environment import environment
-    from roofline.bench.synthetic import DEFAULT_LAYOUT, SyntheticRun, build_synthetic_model, decode_ms, fill_context
-    from roofline.checkpoint.shapes import resolve_layout
-    from roofline.engine.cache import CachePool
+    from roofline.bench.synthetic import SyntheticRun, decode_ms, fill_context
     from roofline.engine.graphs import DecodeGraphs
     from roofline.kernels._common import next_pow2
-    from roofline.kernels.dispatch import install_fast_path
 
     names = ["default"] + list(variants)
     for name in names:
@@ -323,15 +338,12 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
     if capacity < context + 4096:  # checked before the model is built, as the variants are
         raise ValueError(f"--capacity {capacity} leaves no room for the timed steps past a {context}-token context")
     cuda = torch.device(device).type == "cuda"
-    model, _ = build_synthetic_model(shape, resolve_layout(DEFAULT_LAYOUT, {"lm_head": "int8"}), device, layers=layers)
-    fast = install_fast_path(model, allow_cpu=not cuda)
     # room past the context for every round's timed steps (each advances the sequence), rounded up to a power of two
     # as the engine's pools of max_model_len are: the decode graphs' attention span is the power-of-two bucket past the
     # sequence (64K at a 32K context), as in `bench synthetic` and serving (before session 37: context + 4096, a 36K
     # span at 32K). `bench synthetic` and a server allocate their whole capacity (256K by default) instead: the span is
     # the same, the pool's rows far longer
-    pool = CachePool(model.config, model.config.layer_types, 1, capacity, model.device, model.dtype, state_buffers=2)
-    cache = pool.acquire()
+    model, fast, pool, cache = one_sequence_setup(shape, device, capacity, layers)
     fill_context(SyntheticRun(model, pool, None, cache, None), context)
 
     def measure(name: str, repeats: int) -> dict:
@@ -386,10 +398,15 @@ def main():
     for name, s in result["median"].items():
         print(f"{name:16s} M=1 {s['m1_graph_ms']:.3f} ms ({s['m1_graph_ms'] - base['m1_graph_ms']:+.3f}), "
               f"M=3 {s['m3_graph_ms']:.3f} ms ({s['m3_graph_ms'] - base['m3_graph_ms']:+.3f})")
-    out = Path(args.out) if args.out else Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "ab_step.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print("wrote", out)
+    write_result(result, args.out, "ab_step.json")
+
+
+def write_result(result: dict, out: str | None, name: str) -> None:
+    """The JSON to `out`, else to `name` in $OUT (a device call's returned folder), else in benchmarks/results/."""
+    path = Path(out) if out else Path(os.environ.get("OUT", Path(__file__).parent / "results")) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print("wrote", path)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,7 @@ memory); one slow only when first timed is the moment.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-from pathlib import Path
 
 
 def run_order(shape: str, contexts: list[int], rounds: int, repeats: int, capacity: int, layers: int | None = None,
@@ -32,19 +29,14 @@ def run_order(shape: str, contexts: list[int], rounds: int, repeats: int, capaci
     import torch
 
     from roofline.bench.environment import environment
-    from roofline.bench.synthetic import DEFAULT_LAYOUT, SyntheticRun, build_synthetic_model, decode_ms, fill_context
-    from roofline.checkpoint.shapes import resolve_layout
-    from roofline.engine.cache import CachePool
+    from ab_step import one_sequence_setup  # beside this script (its folder is on sys.path when it runs)
+    from roofline.bench.synthetic import SyntheticRun, decode_ms, fill_context
     from roofline.engine.graphs import DecodeGraphs
-    from roofline.kernels.dispatch import install_fast_path
 
     if capacity < max(contexts) + 8:
         raise ValueError(f"--capacity {capacity} leaves no room past the {max(contexts)}-token context")
     cuda = torch.device(device).type == "cuda"
-    model, _ = build_synthetic_model(shape, resolve_layout(DEFAULT_LAYOUT, {"lm_head": "int8"}), device, layers=layers)
-    fast = install_fast_path(model, allow_cpu=not cuda)
-    pool = CachePool(model.config, model.config.layer_types, 1, capacity, model.device, model.dtype, state_buffers=2)
-    cache = pool.acquire()
+    model, fast, pool, cache = one_sequence_setup(shape, device, capacity, layers)
 
     def graph_ms(graphs: DecodeGraphs, context: int) -> float:
         run = SyntheticRun(model, pool, graphs, cache, None)
@@ -96,10 +88,9 @@ def main():
     for name, per in result["median_ms"].items():
         print(f"{name:9s} first " + " / ".join(f"{result['first_ms'][name][c]:.3f}" for c in contexts)
               + "; rounds " + " / ".join(f"{per[c]:.3f}" for c in contexts) + " ms")
-    out = Path(args.out) if args.out else Path(os.environ.get("OUT", Path(__file__).parent / "results")) / "graph_order.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print("wrote", out)
+    from ab_step import write_result
+
+    write_result(result, args.out, "graph_order.json")
 
 
 if __name__ == "__main__":

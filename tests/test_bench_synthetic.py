@@ -374,10 +374,11 @@ def test_ab_step_runs_its_rounds_on_the_tiny_shape_in_the_interpreter():
         assert set(r["median"][name]) == {"m1_graph_ms", "m3_graph_ms", "m1_step_ms", "m3_step_ms"}
 
 
-def test_graph_order_times_each_set_of_graphs_first_and_in_rounds_on_the_tiny_shape():
+def test_graph_order_times_each_set_of_graphs_first_and_in_rounds_on_the_tiny_shape(monkeypatch):
     """benchmarks/graph_order.py end to end on the tiny shape's first layer (interpreter, nothing captured): every
     set (one pool, a pool each, after a server's prepare) timed once per context first and once per round."""
     pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))  # its import of ab_step, as when run
     go = _benchmark_script("graph_order")
     with pytest.raises(ValueError, match="capacity 16 leaves no room"):
         go.run_order("tiny", [40], rounds=1, repeats=1, capacity=16, layers=1, device="cpu", progress=lambda _: None)
