@@ -188,7 +188,8 @@ def decode_rows(run: SyntheticRun, contexts, repeats: int, rounds: int) -> dict[
     """Per context: (step ms, graph ms, each round's pair), the medians over `rounds` rounds. Every context's graph
     is captured before the first timed round and the rounds alternate their order: timed once, right after the
     capture, the second row of a run read ~0.15 ms slow on an H100 (session 42, benchmarks/graph_order.py: 8K after
-    0 3.739 ms, the same graph 3.580 in later rounds; 0 after 8K 3.589 against 3.448), the first ~0.03 ms fast."""
+    0 3.739 ms, the same graph 3.580 in later rounds; 0 after 8K 3.589 against 3.448); the first round of the rows at
+    times reads ~0.03 ms fast, at times ~0.05 slow."""
     for context in contexts:
         run.graphs.buffers_for(1, 1, context + 1)  # captured where new (a step at `context` meets this bucket)
     times = {context: [] for context in contexts}
