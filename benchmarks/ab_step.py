@@ -19,10 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import json
-import os
 import statistics
-from pathlib import Path
 
 
 def _no_shared_expert(mlp, x, norm=None):
@@ -398,15 +395,9 @@ def main():
     for name, s in result["median"].items():
         print(f"{name:16s} M=1 {s['m1_graph_ms']:.3f} ms ({s['m1_graph_ms'] - base['m1_graph_ms']:+.3f}), "
               f"M=3 {s['m3_graph_ms']:.3f} ms ({s['m3_graph_ms'] - base['m3_graph_ms']:+.3f})")
-    write_result(result, args.out, "ab_step.json")
+    from kernels import write_result  # beside this script (its folder is on sys.path when it runs)
 
-
-def write_result(result: dict, out: str | None, name: str) -> None:
-    """The JSON to `out`, else to `name` in $OUT (a device call's returned folder), else in benchmarks/results/."""
-    path = Path(out) if out else Path(os.environ.get("OUT", Path(__file__).parent / "results")) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print("wrote", path)
+    write_result("ab_step", result, args.out)
 
 
 if __name__ == "__main__":

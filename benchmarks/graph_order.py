@@ -47,7 +47,7 @@ def run_order(shape: str, contexts: list[int], rounds: int, repeats: int, capaci
     own = {c: DecodeGraphs(model, pool, 1, use_graphs=cuda) for c in contexts}
     server = DecodeGraphs(model, pool, 1, use_graphs=cuda)
     sets = {"shared": lambda c: shared, "own pool": lambda c: own[c], "server": lambda c: server}
-    first = {"shared": {}, "own pool": {}, "server": {}}
+    first = {name: {} for name in sets}
     for c in contexts:
         first["shared"][c] = graph_ms(shared, c)
         progress(f"shared   context {c}: {first['shared'][c]:.3f} ms (first timing, captured just before)")
@@ -88,9 +88,9 @@ def main():
     for name, per in result["median_ms"].items():
         print(f"{name:9s} first " + " / ".join(f"{result['first_ms'][name][c]:.3f}" for c in contexts)
               + "; rounds " + " / ".join(f"{per[c]:.3f}" for c in contexts) + " ms")
-    from ab_step import write_result
+    from kernels import write_result
 
-    write_result(result, args.out, "graph_order.json")
+    write_result("graph_order", result, args.out)
 
 
 if __name__ == "__main__":

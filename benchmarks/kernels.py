@@ -40,9 +40,10 @@ L2_BYTES = 60e6
 TARGETS = {"int8_lm_head": 0.85, "experts_gate_up": 0.75, "experts_down": 0.75}
 
 
-def write_result(name: str, result: dict) -> Path:
-    """An experiment's JSON as $OUT/name.json (a device call's folder), else benchmarks/results/name.json."""
-    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / f"{name}.json"
+def write_result(name: str, result: dict, path: str | None = None) -> Path:
+    """An experiment's JSON at `path` if given, else as $OUT/name.json (a device call's folder), else
+    benchmarks/results/name.json."""
+    out = Path(path) if path else Path(os.environ.get("OUT") or Path(__file__).parent / "results") / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print("wrote", out)
