@@ -187,8 +187,47 @@ def test_decode_rows_capture_every_graph_first_then_time_alternating_rounds(monk
     assert log == [("capture", 1), ("capture", 8193), ("time", 0), ("time", 8192), ("time", 8192), ("time", 0),
                    ("time", 0), ("time", 8192)]
     # context 0 timed 1st, 4th, 5th: (9, 8), (3, 2.5), (4, 3.5); context 8192 2nd, 3rd, 6th
-    assert rows[0][:2] == (4.0, 3.5) and rows[8192][:2] == (2.0, 1.5)
-    assert [t["replay_ms"] for t in rows[0][2]] == [8.0, 2.5, 3.5]
+    assert (rows[0]["step_ms"], rows[0]["replay_ms"]) == (4.0, 3.5) and (rows[8192]["step_ms"], rows[8192]["replay_ms"]) == (2.0, 1.5)
+    assert [t["replay_ms"] for t in rows[0]["rounds"]] == [8.0, 2.5, 3.5]
+
+
+def test_verify_rows_capture_first_keep_rollback_buckets_apart_and_take_medians(monkeypatch):
+    """bench synthetic's M rows: every (m, rollback) bucket made before any timing, on two graph sets (a rollback
+    bucket would replace the plain one of the same key in one DecodeGraphs), then rounds in alternating order with
+    the medians reported; without a rollback run only the plain rows."""
+    from types import SimpleNamespace
+
+    from roofline.bench import synthetic
+
+    log = []
+
+    def graphs(name):
+        return SimpleNamespace(buffers_for=lambda b, m, longest, rollback: log.append(("capture", name, m, longest, rollback)))
+
+    plain = SimpleNamespace(graphs=graphs("plain"), cache=SimpleNamespace(num_tokens=0))
+    saving = SimpleNamespace(graphs=graphs("saving"), cache=plain.cache)
+    clock = iter(range(1, 100))
+
+    def decode_ms(run, m, repeats, rollback, distinct):
+        assert (run is saving) == rollback
+        log.append(("time", m, distinct, rollback))
+        return float(next(clock)), 0.0
+
+    monkeypatch.setattr(synthetic, "decode_ms", decode_ms)
+    rows = synthetic.verify_rows(plain, saving, (2, 3), repeats=5, rounds=3)
+    captures = [entry for entry in log if entry[0] == "capture"]
+    assert log[: len(captures)] == captures and len(captures) == 8  # 2 m x 2 ids x 2 rollback, all before any timing
+    assert {(name, m, longest, rb) for _, name, m, longest, rb in captures} == {
+        ("plain", 2, 2, False), ("plain", 3, 3, False), ("saving", 2, 2, True), ("saving", 3, 3, True)}
+    times = [entry[1:] for entry in log if entry[0] == "time"]
+    assert times[:8] == times[8:16][::-1] == times[16:]  # forward, backward, forward
+    first = times[0]
+    key = (first[0], "distinct" if first[1] else "repeated", first[2])
+    # the first case is timed 1st, 16th and 17th: medians of (1, 16, 17)
+    assert rows[key]["step_ms"] == 16.0 and [t["step_ms"] for t in rows[key]["rounds"]] == [1.0, 16.0, 17.0]
+    log.clear()
+    assert set(synthetic.verify_rows(plain, None, (2,), repeats=5, rounds=1)) == {(2, "distinct", False), (2, "repeated", False)}
+    assert all(entry[-1] is False for entry in log)
 
 
 def test_step_ids_repeat_one_id_or_draw_distinct_ones():

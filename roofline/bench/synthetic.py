@@ -28,6 +28,7 @@ measures in the same run:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import statistics
@@ -184,22 +185,51 @@ def decode_ms(run: SyntheticRun, m: int, repeats: int, rollback: bool = False, d
     return step_ms, device_ms(buf.graph.replay, repeats)
 
 
-def decode_rows(run: SyntheticRun, contexts, repeats: int, rounds: int) -> dict[int, tuple[float, float, list[dict]]]:
-    """Per context: (step ms, graph ms, each round's pair), the medians over `rounds` rounds. Every context's graph
-    is captured before the first timed round and the rounds alternate their order: timed once, right after the
-    capture, the second row of a run read ~0.15 ms slow on an H100 (session 42, benchmarks/graph_order.py: 8K after
-    0 3.739 ms, the same graph 3.580 in later rounds; 0 after 8K 3.589 against 3.448); the first round of the rows at
-    times reads ~0.03 ms fast, at times ~0.05 slow."""
+def in_rounds(measures: dict, rounds: int) -> dict:
+    """Each measure (a call that times once and returns {field: ms}) taken `rounds` times, the keys in alternating
+    order round by round (forward, backward, forward...): per key, each field's median and every round's values
+    under "rounds". Timed once, right after its capture, a graph of this bench read ~0.15 ms slow on an H100
+    (session 42, benchmarks/graph_order.py: 8K after 0 3.739 ms, the same graph 3.580 in later rounds; 0 after 8K
+    3.589 against 3.448), and the first round at times reads ~0.03 ms fast, at times ~0.05 slow: capture every
+    graph before the first round."""
+    keys = list(measures)
+    taken = {key: [] for key in keys}
+    for r in range(rounds):
+        for key in (keys if r % 2 == 0 else keys[::-1]):
+            taken[key].append(measures[key]())
+    return {key: {**{f: statistics.median(t[f] for t in got) for f in got[0]}, "rounds": got} for key, got in taken.items()}
+
+
+def decode_rows(run: SyntheticRun, contexts, repeats: int, rounds: int) -> dict[int, dict]:
+    """Per context: {"step_ms", "replay_ms": medians over `rounds` rounds (`in_rounds`), "rounds": each round's
+    pair}, every context's graph captured first."""
     for context in contexts:
         run.graphs.buffers_for(1, 1, context + 1)  # captured where new (a step at `context` meets this bucket)
-    times = {context: [] for context in contexts}
-    for r in range(rounds):
-        for context in (contexts if r % 2 == 0 else contexts[::-1]):
-            fill_context(run, context)
-            step, replay = decode_ms(run, 1, repeats)
-            times[context].append({"step_ms": step, "replay_ms": replay})
-    return {c: (statistics.median(t["step_ms"] for t in times[c]), statistics.median(t["replay_ms"] for t in times[c]),
-                times[c]) for c in contexts}
+
+    def at(context: int) -> dict:
+        fill_context(run, context)
+        step, replay = decode_ms(run, 1, repeats)
+        return {"step_ms": step, "replay_ms": replay}
+
+    return in_rounds({c: functools.partial(at, c) for c in contexts}, rounds)
+
+
+def verify_rows(run: SyntheticRun, rollback_run: SyntheticRun | None, ms, repeats: int, rounds: int) -> dict:
+    """The M-token steps at the cache's length, per (m, "distinct" | "repeated" ids, rollback): the step ms, median
+    over `rounds` rounds (`in_rounds`), every graph captured first. Without the rollback on `run`; with it (the
+    verify step as an engine with MTP runs it) on `rollback_run`, whose DecodeGraphs holds those buckets apart
+    (DecodeGraphs keys a bucket without the rollback, and one with it replaces one without); None: no such rows."""
+    cases = [(m, ids, rollback) for m in ms for rollback in (False, True) if rollback_run or not rollback
+             for ids in ("distinct", "repeated")]
+    for m, _, rollback in cases:
+        r = rollback_run if rollback else run
+        r.graphs.buffers_for(1, m, r.cache.num_tokens + m, rollback)
+
+    def step(m: int, ids: str, rollback: bool) -> dict:
+        r = rollback_run if rollback else run
+        return {"step_ms": decode_ms(r, m, repeats, rollback=rollback, distinct=ids == "distinct")[0]}
+
+    return in_rounds({case: functools.partial(step, *case) for case in cases}, rounds)
 
 
 def distinct_experts(run: SyntheticRun, m: int, distinct: bool = False) -> float | None:
@@ -603,28 +633,33 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     })
     rows = []
     # one round without graphs: the dry run's interpreter steps are slow, and it has no GPU transient to outlast
-    for context, (step, replay, rounds) in decode_rows(run, contexts, repeats, DECODE_ROUNDS if cuda else 1).items():
+    rounds = DECODE_ROUNDS if cuda else 1
+    for context, row in decode_rows(run, contexts, repeats, rounds).items():
+        step, replay = row["step_ms"], row["replay_ms"]
         per_token = tb.weights + state_bytes + kv_per_token * context
         ceiling = copy_bw / per_token
         rows.append({"context": context, "step_ms": step, "replay_ms": replay, "tok_s": 1e3 / step,
                      "bytes_per_token": per_token, "ceiling_tok_s": ceiling, "fraction_of_ceiling": 1e3 / step / ceiling,
-                     "rounds": rounds})
+                     "rounds": row["rounds"]})
         progress(f"context {context}: {1e3 / step:.1f} tok/s ({step:.3f} ms/token, graph {replay:.3f} ms), "
                  f"ceiling {ceiling:.0f} tok/s -> {rows[-1]['fraction_of_ceiling']:.2f}")
     result["decode"] = rows
 
     fill_context(run, 0)
     at_zero = next(((r["step_ms"], r["replay_ms"]) for r in rows if r["context"] == 0), None) or decode_ms(run, 1, repeats)
-    # M rows twice: distinct ids (a real verify step's bytes: the target's figure) and one id repeated (M = 1's bytes)
-    verify = {1: at_zero[0]}
-    repeated = {}
-    for m in verify_tokens:
-        verify[m] = decode_ms(run, m, repeats, distinct=True)[0]
-        repeated[m] = decode_ms(run, m, repeats)[0]
+    # M rows twice: distinct ids (a real verify step's bytes: the target's figure) and one id repeated (M = 1's
+    # bytes); with an MTP head also as the engine's verify runs them, saving for the rollback (on graphs of their own)
+    rollback_run = None
+    if run.mtp_pool is not None:
+        rollback_run = SyntheticRun(model, pool, DecodeGraphs(model, pool, 1, use_graphs=cuda), run.cache, mtp_pool)
+    m_steps = verify_rows(run, rollback_run, verify_tokens, repeats, rounds)
+    verify = {1: at_zero[0], **{m: m_steps[m, "distinct", False]["step_ms"] for m in verify_tokens}}
+    repeated = {m: m_steps[m, "repeated", False]["step_ms"] for m in verify_tokens}
 
     def m_row(m: int, ids: str, ms: float) -> dict:
-        return {"m": m, "token_ids": ids, "step_ms": ms, "vs_m1": ms / verify[1],
-                **_step_bytes(run, tb, m, ms, copy_bw, distinct=ids == "distinct")}
+        row = {"m": m, "token_ids": ids, "step_ms": ms, "vs_m1": ms / verify[1],
+               **_step_bytes(run, tb, m, ms, copy_bw, distinct=ids == "distinct")}
+        return row if m == 1 else {**row, "rounds": [t["step_ms"] for t in m_steps[m, ids, False]["rounds"]]}
 
     result["tokens_per_sequence"] = [m_row(1, "one", verify[1])] + [
         row for m in sorted(repeated) for row in (m_row(m, "distinct", verify[m]), m_row(m, "repeated", repeated[m]))]
@@ -639,13 +674,15 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     draft = draft_ms(run, repeats)
     if draft is not None:
         # the verify step as the engine runs it: distinct ids, saving the GDN states a rejected draft rolls back to
-        verify_k = {m - 1: decode_ms(run, m, repeats, rollback=True, distinct=True)[0] for m in verify if m > 1}
+        verify_k = {m - 1: m_steps[m, "distinct", True]["step_ms"] for m in verify_tokens}
         draft_vocab = min(DRAFT_VOCAB, cfg.vocab_size)  # a small vocabulary (the tiny shape) is its own subset
         small = draft_ms(run, repeats, draft_vocab)
         result["mtp"] = {"draft_step_ms": draft, "verify_step_ms": verify_k,
                          "verify_step_ms_without_rollback": {m - 1: ms for m, ms in verify.items() if m > 1},
-                         "verify_step_ms_repeated_id": {m - 1: decode_ms(run, m, repeats, rollback=True)[0]
-                                                        for m in verify if m > 1},
+                         "verify_step_ms_repeated_id": {m - 1: m_steps[m, "repeated", True]["step_ms"]
+                                                        for m in verify_tokens},
+                         "verify_rounds": {m - 1: [t["step_ms"] for t in m_steps[m, "distinct", True]["rounds"]]
+                                           for m in verify_tokens},
                          "modelled": modelled_mtp(verify[1], verify_k, draft, acceptance),
                          "draft_vocab": draft_vocab, "draft_step_ms_small_vocab": small,
                          "modelled_small_vocab": modelled_mtp(verify[1], verify_k, small, acceptance)}
