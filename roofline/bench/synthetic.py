@@ -707,7 +707,9 @@ def run_synthetic(shape: str, formats: dict[str, str], contexts=(0, 8192, 32768)
     if profile and cuda:  # the one-token step, and the MTP-2 verify step (M = 3) beside it: which kernels its extra time is in
         for m, key in ((1, "kernel_profile"), (3, "kernel_profile_m3")):
             if m == 1 or m in verify_tokens:
-                buf = run.graphs.run(step_ids(cfg.vocab_size, m, distinct=True), [run.cache], m)  # a real verify's routing
+                # a real verify's routing; with an MTP head its rollback saves too, as the engine runs it
+                r, rollback = (rollback_run, True) if m > 1 and rollback_run is not None else (run, False)
+                buf = r.graphs.run(step_ids(cfg.vocab_size, m, distinct=True), [r.cache], m, rollback=rollback)
                 result[key] = kernel_profile(buf.graph.replay, "programmatic dependent launch" in fast.installed)
                 kp = result[key]
                 progress(f"profile M={m}: {kp.get('kernels_per_step', 0):.0f} kernels per step, {kp.get('kernel_us_per_step', 0) / 1e3:.3f}"
