@@ -13,15 +13,15 @@ build, in one process:
 - `own pool`: each context's graph captured by a DecodeGraphs of its own (ab_step's way);
 - `server`: one DecodeGraphs that captures every one-token span bucket up to the capacity first (`prepare`, as
   `serve` does at start), then each context's bucket from those;
-then `rounds` rounds re-time every graph of every set (order reversed every other round), each behind a
-`fill_context` of its context. A slow graph that stays slow in every round is the graph (its capture or its
-memory); one slow only when first timed is the moment.
+then `rounds` rounds re-time every graph of every set (`synthetic.in_rounds`: order reversed every other round),
+each behind a `fill_context` of its context. A slow graph that stays slow in every round is the graph (its capture
+or its memory); one slow only when first timed is the moment.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 
 
 def run_order(shape: str, contexts: list[int], rounds: int, repeats: int, capacity: int, layers: int | None = None,
@@ -30,7 +30,7 @@ def run_order(shape: str, contexts: list[int], rounds: int, repeats: int, capaci
 
     from roofline.bench.environment import environment
     from ab_step import one_sequence_setup  # beside this script (its folder is on sys.path when it runs)
-    from roofline.bench.synthetic import SyntheticRun, decode_ms, fill_context
+    from roofline.bench.synthetic import SyntheticRun, decode_ms, fill_context, in_rounds
     from roofline.engine.graphs import DecodeGraphs
 
     if capacity < max(contexts) + 8:
@@ -58,17 +58,20 @@ def run_order(shape: str, contexts: list[int], rounds: int, repeats: int, capaci
     for c in contexts:
         first["server"][c] = graph_ms(server, c)
         progress(f"server   context {c}: {first['server'][c]:.3f} ms ({len(server.buffers)} buckets captured first)")
-    later = {name: {c: [] for c in contexts} for name in sets}
+
+    def timing(graphs: DecodeGraphs, context: int) -> dict:
+        return {"graph_ms": graph_ms(graphs, context)}
+
+    # every set's graph of a context one after another, the order reversed every other round
+    timed = in_rounds({(c, name): functools.partial(timing, sets[name](c), c) for c in contexts for name in sets}, rounds)
+    later = {name: {c: [t["graph_ms"] for t in timed[c, name]["rounds"]] for c in contexts} for name in sets}
     for r in range(rounds):
-        for c in (contexts if r % 2 == 0 else contexts[::-1]):
-            for name, graphs_for in sets.items():
-                later[name][c].append(graph_ms(graphs_for(c), c))
-        progress(f"round {r}: " + "; ".join(f"{name} " + " / ".join(f"{later[name][c][-1]:.3f}" for c in contexts)
+        progress(f"round {r}: " + "; ".join(f"{name} " + " / ".join(f"{later[name][c][r]:.3f}" for c in contexts)
                                             for name in sets))
     return {"benchmark": "graph_order", "shape": shape, "layers": layers, "contexts": contexts, "capacity": capacity,
             "environment": environment(device), "kernels": dict(fast.installed), "rounds": rounds, "repeats": repeats,
             "first_ms": first, "rounds_ms": later,
-            "median_ms": {name: {c: statistics.median(v) for c, v in per.items()} for name, per in later.items()},
+            "median_ms": {name: {c: timed[c, name]["graph_ms"] for c in contexts} for name in sets},
             "note": "graph = device time of one captured one-token step's replay (median of repeats); first_ms: "
                     "timed right after its capture, in the order of contexts; rounds_ms: every graph again"}
 

@@ -219,15 +219,13 @@ def verify_rows(run: SyntheticRun, rollback_run: SyntheticRun | None, ms, repeat
     over `rounds` rounds (`in_rounds`), every graph captured first. Without the rollback on `run`; with it (the
     verify step as an engine with MTP runs it) on `rollback_run`, whose DecodeGraphs holds those buckets apart
     (DecodeGraphs keys a bucket without the rollback, and one with it replaces one without); None: no such rows."""
-    cases = [(m, ids, rollback) for m in ms for rollback in (False, True) if rollback_run or not rollback
-             for ids in ("distinct", "repeated")]
+    runs = {False: run} if rollback_run is None else {False: run, True: rollback_run}
+    cases = [(m, ids, rollback) for m in ms for rollback in runs for ids in ("distinct", "repeated")]
     for m, _, rollback in cases:
-        r = rollback_run if rollback else run
-        r.graphs.buffers_for(1, m, r.cache.num_tokens + m, rollback)
+        runs[rollback].graphs.buffers_for(1, m, runs[rollback].cache.num_tokens + m, rollback)
 
     def step(m: int, ids: str, rollback: bool) -> dict:
-        r = rollback_run if rollback else run
-        return {"step_ms": decode_ms(r, m, repeats, rollback=rollback, distinct=ids == "distinct")[0]}
+        return {"step_ms": decode_ms(runs[rollback], m, repeats, rollback=rollback, distinct=ids == "distinct")[0]}
 
     return in_rounds({case: functools.partial(step, *case) for case in cases}, rounds)
 
