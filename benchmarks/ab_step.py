@@ -126,36 +126,58 @@ def _no_b_a(device, fn, x):
 
 _ORIGINALS: dict = {}  # (module, attribute) -> its value before the running variant replaced it
 _PROJECTIONS_CALL = ("roofline.kernels.merge.Projections", "__call__")
-_QKV_ALONE: dict = {}  # id(the GDN's merged qkv_z Projections) -> in_proj_qkv as a weight with its own decode kernel
+_ALONE: dict = {}  # (id(the GDN's merged qkv_z Projections), part) -> that part as a weight with its own decode kernel
 
 
-def _qkv_alone(projections, x):
-    """For the GDN's merged in_proj_qkv+z at 1-4 rows: [in_proj_qkv's GEMV alone, a constant z]; else None. The
-    weight alone is made once, in the capture's warm-up: its block-repacked qweight is a contiguous view of the
-    merged one already, its scales and zeros are copied."""
+def _gdn_in_proj_parts(projections, x) -> bool:
+    """Whether `projections` is the GDN's merged in_proj_qkv+z (two INT4 parts) called for 1-4 rows."""
+    from roofline.quant import Int4Weight
+
+    return len(projections.parts) == 2 and all(isinstance(p, Int4Weight) for p in projections.parts) \
+        and 1 <= x.shape[0] <= 4
+
+
+def _alone(projections, part: int):
+    """Part `part` of the merged in_proj_qkv+z as a weight of its own with its own decode kernel, made once (in the
+    capture's warm-up): each part's block-repacked qweight is a contiguous view of the merged one already, its scales
+    and zeros are copied (a z alone: ~0.4 MB a layer more, the bytes a token unchanged)."""
     import copy
     from collections import OrderedDict
 
     from roofline.kernels.dispatch import install_weight_kernel
-    from roofline.quant import Int4Weight
 
-    if len(projections.parts) != 2 or not all(isinstance(p, Int4Weight) for p in projections.parts) \
-            or not 1 <= x.shape[0] <= 4:
-        return None
-    if id(projections) not in _QKV_ALONE:
-        w = copy.copy(projections.parts[0])
+    key = (id(projections), part)
+    if key not in _ALONE:
+        w = copy.copy(projections.parts[part])
         w._buffers = OrderedDict((k, v.contiguous()) for k, v in w._buffers.items())
         w.__dict__.pop("forward", None)
         install_weight_kernel(w)
-        _QKV_ALONE[id(projections)] = w
-    return [_QKV_ALONE[id(projections)](x), _constant_zeros("z", x, projections.sizes[1])]
+        _ALONE[key] = w
+    return _ALONE[key]
 
 
 def _no_z(projections, x):
     """merge.Projections.__call__ for `timing-no-z`: the GDN's in_proj_qkv GEMV alone and a constant z: what z's 8192
     columns cost the step. Other projections as they are."""
-    out = _qkv_alone(projections, x)
-    return _ORIGINALS[_PROJECTIONS_CALL](projections, x) if out is None else out
+    if not _gdn_in_proj_parts(projections, x):
+        return _ORIGINALS[_PROJECTIONS_CALL](projections, x)
+    return [_alone(projections, 0)(x), _constant_zeros("z", x, projections.sizes[1])]
+
+
+def _z_beside_b_a(projections, x):
+    """merge.Projections.__call__ for `z-beside-b-a`: at one row, the GDN's z GEMV on the second stream after the b/a
+    GEMV (mixers.gdn_slot_step forked it there just before), in_proj_qkv's alone on the main stream; the GDN kernel's
+    join on the second stream then waits for z too. Real outputs; other calls as they are."""
+    import torch
+
+    from roofline.kernels._common import counter_space, second_stream
+
+    side = second_stream(x.device)
+    if side is None or x.shape[0] != 1 or not _gdn_in_proj_parts(projections, x):
+        return _ORIGINALS[_PROJECTIONS_CALL](projections, x)
+    with torch.cuda.stream(side), counter_space("second stream"):
+        z = _alone(projections, 1)(x)
+    return [_alone(projections, 0)(x), z]
 
 
 def _no_embedding(text_model, input_ids):
@@ -232,6 +254,11 @@ VARIANTS = {
     # on the second stream instead (joined before the out projection), launched beside in_proj_qkv or after it
     # (beside the GDN kernel), lost at M = 3 and won at most 0.048 ms at one token: removed (NOTES-kernels, session 38)
     "timing-no-z": _timing_only("constant z", (*_PROJECTIONS_CALL, _no_z)),
+    # session 44: z's GEMV on the second stream after b/a at one row, the GDN kernel joining both (real outputs; M > 1
+    # unchanged, a control). Session 38's stand-ins joined z before the out projection instead (the GDN kernel read a
+    # constant z) and won at most 0.048 ms at one token
+    "z-beside-b-a": (f"{'.'.join(_PROJECTIONS_CALL)}=z's GEMV on the second stream at one row",
+                     [(*_PROJECTIONS_CALL, _z_beside_b_a)]),
     # session 39, timing only: the step's embedding gather (its first kernel, PyTorch's; in the profile ~6 us idle
     # follow it), and the shared expert's silu_mul launch. H100, 122B: +0.002 / -0.002 ms and -0.001 / -0.018 at
     # M = 1 / 3, so a Triton gather under PDL (-0.004 / -0.002 in the same A/B) was not kept (NOTES-kernels, session 39)

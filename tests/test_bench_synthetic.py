@@ -413,6 +413,25 @@ def test_ab_step_runs_its_rounds_on_the_tiny_shape_in_the_interpreter():
         assert set(r["median"][name]) == {"m1_graph_ms", "m3_graph_ms", "m1_step_ms", "m3_step_ms"}
 
 
+def test_ab_step_gdn_in_proj_parts_alone_give_the_merged_projections_columns():
+    """ab_step's z-beside-b-a and timing-no-z run in_proj_qkv and z as weights of their own, carved out of the merged
+    in_proj_qkv+z: each part's GEMV must give the merged GEMV's columns (interpreter, tiny shape, one layer)."""
+    pytest.importorskip("triton")
+    from roofline.model.layers import GatedDeltaNet
+
+    ab = _benchmark_script("ab_step")
+    model, _, _, _ = ab.one_sequence_setup("tiny", "cpu", 64, layers=1)
+    gdn = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
+    merged = gdn.merged["qkv_z"]
+    x = torch.randn(1, gdn.in_proj_qkv.in_features, generator=torch.Generator().manual_seed(0)).to(model.dtype)
+    assert ab._gdn_in_proj_parts(merged, x) and not ab._gdn_in_proj_parts(gdn.merged["b_a"], x)
+    whole = torch.cat(merged(x), dim=-1).float()
+    parts = torch.cat([ab._alone(merged, 0)(x), ab._alone(merged, 1)(x)], dim=-1).float()
+    assert parts.shape == whole.shape
+    torch.testing.assert_close(parts, whole, rtol=1e-3, atol=1e-3)
+    assert ab._alone(merged, 1) is ab._alone(merged, 1)  # made once
+
+
 def test_graph_order_times_each_set_of_graphs_first_and_in_rounds_on_the_tiny_shape(monkeypatch):
     """benchmarks/graph_order.py end to end on the tiny shape's first layer (interpreter, nothing captured): every
     set (one pool, a pool each, after a server's prepare) timed once per context first and once per round."""
