@@ -180,6 +180,44 @@ def _z_beside_b_a(projections, x):
     return [_alone(projections, 0)(x), z]
 
 
+_Z_GPTQ: dict = {}  # id(the GDN's merged qkv_z Projections) -> z's (qweight in GPTQ order, scales)
+
+
+class _ZFromWeight:
+    """What `gdn-z-in-kernel`'s projections return in z's place: the input and z's weight, for the GDN kernel."""
+
+    def __init__(self, x, qweight, scales):
+        self.z_weight = (x, qweight, scales)
+
+
+def _z_in_kernel_projections(projections, x):
+    """merge.Projections.__call__ for `gdn-z-in-kernel`: the GDN's in_proj_qkv GEMV alone, and z left to the GDN kernel
+    (its programs' dots from x and z's symmetric INT4 weight in GPTQ order, before their PDL wait). Other calls as
+    they are."""
+    from roofline.kernels.int4_gemv import is_symmetric
+    from roofline.quant.int4 import unblock_qweight
+
+    if not _gdn_in_proj_parts(projections, x):
+        return _ORIGINALS[_PROJECTIONS_CALL](projections, x)
+    if id(projections) not in _Z_GPTQ:
+        z = _alone(projections, 1)
+        if not is_symmetric(z.qzeros) or z.group_size != 128:
+            raise SystemExit("gdn-z-in-kernel needs z's INT4 weight symmetric with groups of 128")
+        _Z_GPTQ[id(projections)] = (unblock_qweight(z.qweight) if z.blocked else z.qweight.contiguous(), z.scales)
+    return [_alone(projections, 0)(x), _ZFromWeight(x, *_Z_GPTQ[id(projections)])]
+
+
+def _gdn_decode_z_in_kernel(qkv, z, *args, **kwargs):
+    """mixers.gdn_decode for `gdn-z-in-kernel`: z from its weight inside the kernel where the projections left it so."""
+    from roofline.kernels.gdn_decode import gdn_decode
+
+    if isinstance(z, _ZFromWeight):
+        if not kwargs.get("defer_norm"):
+            raise SystemExit("gdn-z-in-kernel needs the GDN's deferred norm (mixers.gdn_norm_in_out_proj)")
+        return gdn_decode(qkv, None, *args, z_weight=z.z_weight, **kwargs)
+    return gdn_decode(qkv, z, *args, **kwargs)
+
+
 def _no_embedding(text_model, input_ids):
     """TextModel.embed for `timing-no-embedding`: constant zeros in place of the embedding rows, no gather kernel:
     what the step's first kernel (PyTorch's, not under PDL) and the gap after it cost."""
@@ -259,6 +297,12 @@ VARIANTS = {
     # constant z) and won at most 0.048 ms at one token
     "z-beside-b-a": (f"{'.'.join(_PROJECTIONS_CALL)}=z's GEMV on the second stream at one row",
                      [(*_PROJECTIONS_CALL, _z_beside_b_a)]),
+    # session 44: each GDN program computes its own z columns from the layer's normed input and z's INT4 weight
+    # before its PDL wait (overlapping in_proj_qkv's GEMV), instead of the merged in_proj_qkv+z GEMV reading them.
+    # Real outputs (interpreter tests: tests/test_kernels.py -k z_from_its_weight); z's weight copied into GPTQ order
+    "gdn-z-in-kernel": (f"{'.'.join(_PROJECTIONS_CALL)}=in_proj_qkv alone, z in the GDN kernel", [
+        (*_PROJECTIONS_CALL, _z_in_kernel_projections),
+        ("roofline.kernels.mixers", "gdn_decode", _gdn_decode_z_in_kernel)]),
     # session 39, timing only: the step's embedding gather (its first kernel, PyTorch's; in the profile ~6 us idle
     # follow it), and the shared expert's silu_mul launch. H100, 122B: +0.002 / -0.002 ms and -0.001 / -0.018 at
     # M = 1 / 3, so a Triton gather under PDL (-0.004 / -0.002 in the same A/B) was not kept (NOTES-kernels, session 39)

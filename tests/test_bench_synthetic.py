@@ -432,6 +432,33 @@ def test_ab_step_gdn_in_proj_parts_alone_give_the_merged_projections_columns():
     assert ab._alone(merged, 1) is ab._alone(merged, 1)  # made once
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["z-beside-b-a", "gdn-z-in-kernel"])
+def test_ab_step_variants_with_real_outputs_give_the_default_steps_logits(name):
+    """ab_step's variants that move work but keep the outputs (z's GEMV on the second stream; z inside the GDN
+    kernel) give the default step's logits, within the bf16 roundings of z's other summation order: the 122B's first
+    two layers (a GDN layer and the next), one captured step of one token and one of three, from the same random
+    state in fresh builds."""
+    from roofline.bench.synthetic import SyntheticRun, fill_context
+    from roofline.engine.graphs import DecodeGraphs
+
+    ab = _benchmark_script("ab_step")
+
+    def logits(variant: str) -> list[torch.Tensor]:
+        model, _, pool, cache = ab.one_sequence_setup("qwen3.5-122b-a10b", "cuda", 4096, layers=2)
+        fill_context(SyntheticRun(model, pool, None, cache, None), 64)
+        with ab.variant(variant):
+            graphs = DecodeGraphs(model, pool, 1, use_graphs=True)
+            out = [graphs.run([5, 7, 11][:m], [cache], m).logits[:m].float().clone() for m in (1, 3)]
+        torch.cuda.synchronize()
+        return out
+
+    for got, want in zip(logits(name), logits("default")):
+        assert torch.isfinite(got).all()
+        assert (got - want).norm() / want.norm() < 2e-2, name
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.5, name
+
+
 def test_graph_order_times_each_set_of_graphs_first_and_in_rounds_on_the_tiny_shape(monkeypatch):
     """benchmarks/graph_order.py end to end on the tiny shape's first layer (interpreter, nothing captured): every
     set (one pool, a pool each, after a server's prepare) timed once per context first and once per round."""

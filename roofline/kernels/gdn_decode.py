@@ -84,6 +84,26 @@ def _check_inputs(bsz, m, conv_state, conv_weight, positions, state, num_k_heads
             raise ValueError(f"step_records must be contiguous fp32 {list(want)}, got {list(step_records.shape)}")
 
 
+def _check_z_weight(z_weight, z, defer_norm: bool, n: int, width: int) -> tuple:
+    """gdn_decode's z_weight checked against its rules -> (x, qweight, scales), or Nones without it."""
+    if z_weight is None:
+        if z is None:
+            raise ValueError("gdn_decode needs z, or z_weight to compute it")
+        return None, None, None
+    if z is not None or not defer_norm:
+        raise ValueError("z_weight replaces z (pass z=None) and needs defer_norm")
+    x, qweight, scales = z_weight
+    k = x.shape[-1]
+    if x.shape != (n, k) or k % 128:
+        raise ValueError(f"z_weight's x must be [{n}, K] with K a multiple of 128, got {list(x.shape)}")
+    if qweight.dtype != torch.int32 or qweight.shape != (k // 8, width) or not qweight.is_contiguous():
+        raise ValueError(f"z_weight's qweight must be contiguous int32 [{k // 8}, {width}] (GPTQ order), got "
+                         f"{qweight.dtype} {list(qweight.shape)}")
+    if scales.shape != (k // 128, width) or not scales.is_contiguous():
+        raise ValueError(f"z_weight's scales must be contiguous [{k // 128}, {width}], got {list(scales.shape)}")
+    return z_weight
+
+
 def _one_step(qkv, z, b, a, window_hist, conv_weight, A_log, dt_bias, norm_weight, s, num_k_heads, eps, defer=False):
     """One token per sequence: qkv [N, C], window_hist [N, K-1, C], s [N, Hv, dk, dv] fp32
     -> (out [N, Hv*dv], new window [N, K-1, C], new state, its step record [N, record_size], o's sum of squares per
@@ -193,6 +213,25 @@ def _gated_norm_store(o, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, 
 
 
 @triton.jit
+def _z_dot(x_row, XS, q_ptr, s_ptr, col, cmask, K, N, M: tl.constexpr, MP: tl.constexpr, ty: tl.constexpr):
+    """z [MP, BV] = the sequence's M input rows (x_row its first, rows XS apart; rows past M zero) times the symmetric
+    INT4 weight's columns `col`: qweight [K/8, N] int32 in GPTQ order (8 values of k a word, the lowest k in the
+    low nibble, zero 8), scales [K/128, N]; fp32 sums rounded to the model's dtype, as the projection's output is."""
+    r = tl.arange(0, MP)[:, None, None]
+    w8 = tl.arange(0, 16)  # the 16 words of a 128-value group
+    nib = tl.arange(0, 8)
+    k_in_group = (w8[:, None] * 8 + nib[None, :])[None]  # [1, 16, 8]
+    acc = tl.zeros([MP, col.shape[0]], dtype=tl.float32)
+    for g in range(0, K // 128):
+        words = tl.load(q_ptr + (g * 16 + w8)[:, None] * N + col[None, :], mask=cmask[None, :], other=0)
+        q = (words[:, None, :] >> (4 * nib)[None, :, None]) & 15  # [16, 8, BV]
+        xk = tl.load(x_row + r * XS + g * 128 + k_in_group, mask=r < M, other=0).to(tl.float32)  # [MP, 16, 8]
+        part = tl.sum(tl.sum(xk[:, :, :, None] * (q - 8).to(tl.float32)[None], axis=2), axis=1)
+        acc += part * tl.load(s_ptr + g * N + col, mask=cmask, other=0).to(tl.float32)[None, :]
+    return acc.to(ty).to(tl.float32)
+
+
+@triton.jit
 def _rank_one_update(s, k, d):
     """s + k d^T as one explicit fma per element: left to the compiler, `s = s * decay; s = s + k d^T` contracts one
     way in the decode kernel and another in gdn_replay (where s * decay has no other use), and the replayed state
@@ -208,6 +247,7 @@ def _gdn_decode_kernel(
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     NVB, KERNEL: tl.constexpr, RING: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
     HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, parts_ptr=None, DEFER: tl.constexpr = False, PDL: tl.constexpr = False,
+    zx_ptr=None, zq_ptr=None, zs_ptr=None, ZK=0, ZXS=0, Z_DOT: tl.constexpr = False, MP: tl.constexpr = 1,
 ):
     vb = tl.program_id(0)
     h = tl.program_id(1)
@@ -244,6 +284,9 @@ def _gdn_decode_kernel(
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
     if DEFER:
         nw = tl.load(nw_ptr + vv, mask=vmask, other=0).to(tl.float32)
+    if Z_DOT:  # z from the projection's input, before the wait: see gdn_decode's z_weight
+        z_rows = _z_dot(zx_ptr + (bi * M).to(tl.int64) * ZXS, ZXS, zq_ptr, zs_ptr, h * DV + vv, vmask, ZK, HV * DV,
+                        M, MP, ty)
     wait_for_inputs(PDL)  # qkv, z, b and a come from the projections
     for j in tl.static_range(M):
         tok = bi * M + j
@@ -265,7 +308,10 @@ def _gdn_decode_kernel(
         if DEFER:  # the gated norm without its rms: w * o * silu(z), and o's sum of squares over this block
             of = o.to(ty).to(tl.float32)
             tl.store(parts_ptr + (tok * HV + h) * NVB + vb, tl.sum(of * of, axis=0))
-            zz = tl.load(z_ptr + tok * ZS + h * DV + vv, mask=vmask, other=0).to(tl.float32)
+            if Z_DOT:
+                zz = tl.sum(tl.where(tl.arange(0, MP)[:, None] == j, z_rows, 0.0), axis=0)
+            else:
+                zz = tl.load(z_ptr + tok * ZS + h * DV + vv, mask=vmask, other=0).to(tl.float32)
             gated = (nw * of).to(ty).to(tl.float32) * (zz / (1.0 + tl.exp(-zz)))
             tl.store(out_ptr + (tok * HV + h) * DV + vv, gated.to(ty), mask=vmask)
         else:
@@ -306,7 +352,7 @@ _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl
 def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, num_k_heads: int,
                eps: float = 1e-6, *, positions, slots=None, state_rows=None, tokens_per_seq: int = 1,
                step_records=None, out=None, block_v: int | None = None, num_warps: int | None = None,
-               counters=None, defer_norm: bool = False):
+               counters=None, defer_norm: bool = False, z_weight: tuple | None = None):
     """One fused GDN decode step of M = tokens_per_seq tokens per sequence at `positions` (see the module
     docstring); updates the conv rings and state (rows `slots`, or 0..B-1; the state's `state_rows` = (read,
     write)) in place -> [B*M, Hv*dv].
@@ -314,7 +360,13 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     `defer_norm` -> (out, parts): out is the gated norm without its rms, w * o * silu(z) (o and w * o rounded to the
     model's dtype as the norm rounds its terms), and parts [B*M, Hv, blocks] fp32 each v block's sum of o^2 (o
     rounded): its reader finishes the norm (int4_tc's `head_norm`). No arrival round: each program's work ends with
-    its own stores."""
+    its own stores.
+
+    `z_weight` = (x [B*M, K], qweight [K/8, Hv*dv] int32, scales [K/128, Hv*dv]), with z None and defer_norm (an
+    experiment: benchmarks/ab_step.py's `gdn-z-in-kernel`): each program computes its own z columns from the
+    projection's input x and z's symmetric INT4 weight in GPTQ order (group 128), before its PDL wait, instead of
+    reading z from the merged in_proj_qkv+z GEMV. x must be the input of the kernel launched just before this one
+    (in_proj_qkv's GEMV): that kernel lets this one launch only after its own wait, so x is complete by then."""
     m = tokens_per_seq
     n, conv_dim = qkv.shape
     hv, dk, dv = state.shape[1:]
@@ -333,6 +385,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     if state_rows is not None and slots is None:
         raise ValueError("state_rows need slots (the conv rings' rows)")
     _check_inputs(bsz, m, conv_state, conv_weight, positions, state, num_k_heads, step_records)
+    zx, zq, zs = _check_z_weight(z_weight, z, defer_norm, n, hv * dv)
     # the conv rings' rows, then the state's read and write rows (all unread without slots: any pointer)
     rows = (slots, *(state_rows or (slots, slots))) if slots is not None else (positions,) * 3
     save_steps = step_records is not None and m > 1
@@ -349,16 +402,20 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     parts = torch.empty(n, hv, nvb, dtype=torch.float32, device=qkv.device) if defer_norm else None
     o_ws = parts if defer_norm else torch.empty(n, hv, dv, dtype=torch.float32, device=qkv.device)  # unread deferred
     cnt = counters if counters is not None else counters_for("gdn_decode", bsz * num_k_heads, qkv.device)
-    (qkv, qs), (z, zs), (b, bs), (a, as_) = (rows_in_place(t) for t in (qkv, z, b, a))
+    (qkv, qs), (z, z_stride), (b, bs), (a, as_) = (rows_in_place(t) for t in (qkv, qkv if z is None else z, b, a))
+    (zx, zx_stride) = rows_in_place(zx) if zx is not None else (qkv, 0)
     _gdn_decode_kernel[(nvb, hv, bsz)](
         qkv, z, b, a, conv_state, conv_weight.contiguous(),
         A_log, dt_bias, norm_weight, state, out, o_ws, cnt,
         positions, *rows, step_records if save_steps else state,
-        conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_, step_record_size(num_k_heads, dk, hv, dv),
+        conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, z_stride, bs, as_,
+        step_record_size(num_k_heads, dk, hv, dv),
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb,
         KERNEL=conv_weight.shape[-1], RING=conv_state.shape[1], CONV_TY=_TL[conv_weight.dtype], M=m,
         HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps,
         parts_ptr=parts, DEFER=defer_norm,
+        zx_ptr=zx, zq_ptr=qkv if zq is None else zq, zs_ptr=qkv if zs is None else zs,
+        ZK=0 if zq is None else zx.shape[1], ZXS=zx_stride, Z_DOT=zq is not None, MP=1 if zq is None else next_pow2(m),
         num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
     )
     return (out, parts) if defer_norm else out
