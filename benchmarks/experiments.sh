@@ -28,6 +28,8 @@
 #   OUT=... bash benchmarks/experiments.sh floor    # what a kernel costs in a captured PDL chain before any math:
 #                                                   # empty, one arrival round or atomic adds, pure streaming 2-32 MB,
 #                                                   # and (session 20) the whole share loaded before the wait (~2 min)
+#   OUT=... bash benchmarks/experiments.sh z        # the GDN kernel computing z itself and z's GEMV on the second
+#                                                   # stream (session 44): their GPU tests, then ab_step (~5 min)
 #   OUT=... bash benchmarks/experiments.sh ab       # in one process on one 122B build (benchmarks/ab_step.py), 3
 #                                                   # alternating rounds of the M = 1 and M = 3 (verify) graphs: the
 #                                                   # default against session 17's router and INT4 configs (session
@@ -143,6 +145,14 @@ case "${1:-}" in
         --context 32768 --out "$OUT/ab-splits-$shape-32k.json" 2>&1 | tail -3
     done
     ;;
+  z)  # session 44's z experiments (NOTES-kernels, "Session 44"): the GDN kernel computing z itself, and z's GEMV on the
+    # second stream; their GPU tests first (kernel against the reference, the step's logits against the default's),
+    # then one ab_step process on the 122B with timing-no-z (z free) as the bound, ~5 min
+    gpu_tests 150 tests/test_kernels.py -m gpu -k z_from_its_weight
+    gpu_tests 150 tests/test_bench_synthetic.py -m gpu -k real_outputs
+    timeout 220 python3 benchmarks/ab_step.py --variants z-beside-b-a,gdn-z-in-kernel,timing-no-z --rounds 3 \
+      --out "$OUT/ab-step-z-122b.json" 2>&1 | tail -12
+    ;;
   ab)  # predictions in NOTES-kernels "Session 17"; the JSON has every round
     timeout 300 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify,router-two-rows --rounds 3 2>&1 \
       | tail -30
@@ -180,7 +190,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|pool|splits|ab|trees|trees-ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|pool|splits|z|ab|trees|trees-ab|ab-order" >&2
     exit 2
     ;;
 esac
