@@ -841,13 +841,13 @@ def test_gdn_decode_defer_norm_gpu(block_v, m):
 
 
 @cpu
-@pytest.mark.parametrize("bsz,hk,hv,dk,dv,dtype,block_v,m", [
-    (1, 2, 4, 16, 16, torch.float32, 8, 1),
-    (2, 1, 3, 12, 24, torch.float16, 16, 1),  # dv not a multiple of the block: the last block's z columns masked
-    (2, 2, 4, 16, 16, torch.float32, 8, 3),  # a verify step: each token's own z row
+@pytest.mark.parametrize("bsz,hk,hv,dk,dv,dtype,block_v,m,z_k", [
+    (1, 2, 4, 16, 16, torch.float32, 8, 1, 256),  # two groups: fewer than the four buffers the loads fill ahead
+    (2, 1, 3, 12, 24, torch.float16, 16, 1, 256),  # dv not a multiple of the block: the last block's z columns masked
+    (2, 2, 4, 16, 16, torch.float32, 8, 3, 768),  # a verify step (each token's own z row); six groups: buffers reused
 ])
-def test_gdn_decode_computes_z_from_its_weight_interpreter(bsz, hk, hv, dk, dv, dtype, block_v, m):
-    check_gdn_defer_norm(bsz, hk, hv, dk, dv, dtype, "cpu", block_v, tol=2e-3, m=m, z_k=256)
+def test_gdn_decode_computes_z_from_its_weight_interpreter(bsz, hk, hv, dk, dv, dtype, block_v, m, z_k):
+    check_gdn_defer_norm(bsz, hk, hv, dk, dv, dtype, "cpu", block_v, tol=2e-3, m=m, z_k=z_k)
 
 
 @gpu

@@ -213,21 +213,45 @@ def _gated_norm_store(o, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, 
 
 
 @triton.jit
+def _z_group_loads(q_ptr, s_ptr, x_row, XS, g, G, col, cmask, N, M: tl.constexpr, MP: tl.constexpr):
+    """Group g's (of G) part of _z_dot's operands: its 16 words of the columns [16, BV], their scales [BV], the rows'
+    128 inputs [MP, 16, 8]; nothing is read past the last group."""
+    w8 = tl.arange(0, 16)
+    r = tl.arange(0, MP)[:, None, None]
+    k_in_group = (w8[:, None] * 8 + tl.arange(0, 8)[None, :])[None]  # [1, 16, 8]: value i of word w is k = 8w + i
+    ok = cmask & (tl.full(col.shape, g, tl.int32) < G)
+    words = tl.load(q_ptr + (g * 16 + w8)[:, None] * N + col[None, :], mask=ok[None, :], other=0)
+    scales = tl.load(s_ptr + g * N + col, mask=ok, other=0)
+    xk = tl.load(x_row + r * XS + g * 128 + k_in_group, mask=(r < M) & (tl.full([1, 1, 8], g, tl.int32) < G), other=0)
+    return words, scales, xk
+
+
+@triton.jit
+def _z_group_math(words, scales, xk):
+    """[MP, BV]: the rows' inputs of one group times its dequantised words (zero 8), scaled."""
+    q = (words[:, None, :] >> (4 * tl.arange(0, 8))[None, :, None]) & 15  # [16, 8, BV]
+    part = tl.sum(tl.sum(xk.to(tl.float32)[:, :, :, None] * (q - 8).to(tl.float32)[None], axis=2), axis=1)
+    return part * scales.to(tl.float32)[None, :]
+
+
+@triton.jit
 def _z_dot(x_row, XS, q_ptr, s_ptr, col, cmask, K, N, M: tl.constexpr, MP: tl.constexpr, ty: tl.constexpr):
     """z [MP, BV] = the sequence's M input rows (x_row its first, rows XS apart; rows past M zero) times the symmetric
     INT4 weight's columns `col`: qweight [K/8, N] int32 in GPTQ order (8 values of k a word, the lowest k in the
-    low nibble, zero 8), scales [K/128, N]; fp32 sums rounded to the model's dtype, as the projection's output is."""
-    r = tl.arange(0, MP)[:, None, None]
-    w8 = tl.arange(0, 16)  # the 16 words of a 128-value group
-    nib = tl.arange(0, 8)
-    k_in_group = (w8[:, None] * 8 + nib[None, :])[None]  # [1, 16, 8]
+    low nibble, zero 8), scales [K/128, N]; fp32 sums rounded to the model's dtype, as the projection's output is.
+    One group of 128 values a step, four groups' loads in flight (register buffers A-D, each refilled four steps
+    ahead, as int4_tc's loops keep theirs): a program reads 24 KB of words at 122B shapes, and one group at a time
+    would wait a memory round trip per 1 KB."""
+    G = K // 128
+    qa, sa, xa = _z_group_loads(q_ptr, s_ptr, x_row, XS, 0, G, col, cmask, N, M, MP)
+    qb, sb, xb = _z_group_loads(q_ptr, s_ptr, x_row, XS, 1, G, col, cmask, N, M, MP)
+    qc, sc, xc = _z_group_loads(q_ptr, s_ptr, x_row, XS, 2, G, col, cmask, N, M, MP)
+    qd, sd, xd = _z_group_loads(q_ptr, s_ptr, x_row, XS, 3, G, col, cmask, N, M, MP)
     acc = tl.zeros([MP, col.shape[0]], dtype=tl.float32)
-    for g in range(0, K // 128):
-        words = tl.load(q_ptr + (g * 16 + w8)[:, None] * N + col[None, :], mask=cmask[None, :], other=0)
-        q = (words[:, None, :] >> (4 * nib)[None, :, None]) & 15  # [16, 8, BV]
-        xk = tl.load(x_row + r * XS + g * 128 + k_in_group, mask=r < M, other=0).to(tl.float32)  # [MP, 16, 8]
-        part = tl.sum(tl.sum(xk[:, :, :, None] * (q - 8).to(tl.float32)[None], axis=2), axis=1)
-        acc += part * tl.load(s_ptr + g * N + col, mask=cmask, other=0).to(tl.float32)[None, :]
+    for g in range(0, G):
+        acc += _z_group_math(qa, sa, xa)
+        qn, sn, xn = _z_group_loads(q_ptr, s_ptr, x_row, XS, g + 4, G, col, cmask, N, M, MP)
+        qa, sa, xa, qb, sb, xb, qc, sc, xc, qd, sd, xd = qb, sb, xb, qc, sc, xc, qd, sd, xd, qn, sn, xn
     return acc.to(ty).to(tl.float32)
 
 
