@@ -126,7 +126,6 @@ def _no_b_a(device, fn, x):
 
 _ORIGINALS: dict = {}  # (module, attribute) -> its value before the running variant replaced it
 _PROJECTIONS_CALL = ("roofline.kernels.merge.Projections", "__call__")
-_ALONE: dict = {}  # (id(the GDN's merged qkv_z Projections), part) -> that part as a weight with its own decode kernel
 
 
 def _gdn_in_proj_parts(projections, x) -> bool:
@@ -146,14 +145,14 @@ def _alone(projections, part: int):
 
     from roofline.kernels.dispatch import install_weight_kernel
 
-    key = (id(projections), part)
-    if key not in _ALONE:
+    made = projections.__dict__.setdefault("ab_step_parts", {})  # kept on the object: an id() could be reused
+    if part not in made:
         w = copy.copy(projections.parts[part])
         w._buffers = OrderedDict((k, v.contiguous()) for k, v in w._buffers.items())
         w.__dict__.pop("forward", None)
         install_weight_kernel(w)
-        _ALONE[key] = w
-    return _ALONE[key]
+        made[part] = w
+    return made[part]
 
 
 def _no_z(projections, x):
@@ -180,9 +179,6 @@ def _z_beside_b_a(projections, x):
     return [_alone(projections, 0)(x), z]
 
 
-_Z_GPTQ: dict = {}  # id(the GDN's merged qkv_z Projections) -> z's (qweight in GPTQ order, scales)
-
-
 class _ZFromWeight:
     """What `gdn-z-in-kernel`'s projections return in z's place: the input and z's weight, for the GDN kernel."""
 
@@ -199,12 +195,12 @@ def _z_in_kernel_projections(projections, x):
 
     if not _gdn_in_proj_parts(projections, x):
         return _ORIGINALS[_PROJECTIONS_CALL](projections, x)
-    if id(projections) not in _Z_GPTQ:
+    if "ab_step_z_gptq" not in projections.__dict__:  # z's (qweight in GPTQ order, scales), made once
         z = _alone(projections, 1)
         if not is_symmetric(z.qzeros) or z.group_size != 128:
             raise SystemExit("gdn-z-in-kernel needs z's INT4 weight symmetric with groups of 128")
-        _Z_GPTQ[id(projections)] = (unblock_qweight(z.qweight) if z.blocked else z.qweight.contiguous(), z.scales)
-    return [_alone(projections, 0)(x), _ZFromWeight(x, *_Z_GPTQ[id(projections)])]
+        projections.ab_step_z_gptq = (unblock_qweight(z.qweight) if z.blocked else z.qweight.contiguous(), z.scales)
+    return [_alone(projections, 0)(x), _ZFromWeight(x, *projections.ab_step_z_gptq)]
 
 
 def _gdn_decode_z_in_kernel(qkv, z, *args, **kwargs):
