@@ -203,15 +203,40 @@ def _z_in_kernel_projections(projections, x):
     return [_alone(projections, 0)(x), _ZFromWeight(x, *projections.ab_step_z_gptq)]
 
 
-def _gdn_decode_z_in_kernel(qkv, z, *args, **kwargs):
-    """mixers.gdn_decode for `gdn-z-in-kernel`: z from its weight inside the kernel where the projections left it so."""
+class _BAFromWeight:
+    """What `gdn-zba-in-kernel`'s b/a projection returns in b's and a's place: their merged 16-bit weight."""
+
+    def __init__(self, weight):
+        self.weight = weight
+
+
+def _b_a_in_kernel(device, fn, x):
+    """mixers.beside for `gdn-zba-in-kernel`: no b/a GEMV on the second stream and no join; the GDN kernel computes
+    b and a from their merged 16-bit weight [2 Hv, K] (b's rows, then a's). Where that weight is not one dense
+    16-bit tensor, as before."""
+    from roofline.quant import DenseWeight
+
+    merged = fn.merged
+    if not isinstance(merged, DenseWeight) or merged.weight.dtype != x.dtype or not 1 <= x.shape[0] <= 4:
+        return _ORIGINALS[("roofline.kernels.mixers", "beside")](device, fn, x)
+    marker = _BAFromWeight(merged.weight.contiguous())
+    return (marker, marker), lambda: None
+
+
+def _gdn_decode_z_in_kernel(qkv, z, b, a, *args, **kwargs):
+    """mixers.gdn_decode for `gdn-z-in-kernel` and `gdn-zba-in-kernel`: z (and b, a) from their weights inside the
+    kernel where the projections left them so."""
     from roofline.kernels.gdn_decode import gdn_decode
 
+    if isinstance(b, _BAFromWeight) and not isinstance(z, _ZFromWeight):
+        raise SystemExit("gdn-zba-in-kernel: b and a were left to the GDN kernel but z was not (its x)")
     if isinstance(z, _ZFromWeight):
         if not kwargs.get("defer_norm"):
             raise SystemExit("gdn-z-in-kernel needs the GDN's deferred norm (mixers.gdn_norm_in_out_proj)")
-        return gdn_decode(qkv, None, *args, z_weight=z.z_weight, **kwargs)
-    return gdn_decode(qkv, z, *args, **kwargs)
+        if isinstance(b, _BAFromWeight):
+            kwargs["ba_weight"], b, a = b.weight, None, None
+        return gdn_decode(qkv, None, b, a, *args, z_weight=z.z_weight, **kwargs)
+    return gdn_decode(qkv, z, b, a, *args, **kwargs)
 
 
 def _no_embedding(text_model, input_ids):
@@ -298,6 +323,13 @@ VARIANTS = {
     # Real outputs (interpreter tests: tests/test_kernels.py -k z_from_its_weight); z's weight copied into GPTQ order
     "gdn-z-in-kernel": (f"{'.'.join(_PROJECTIONS_CALL)}=in_proj_qkv alone, z in the GDN kernel", [
         (*_PROJECTIONS_CALL, _z_in_kernel_projections),
+        ("roofline.kernels.mixers", "gdn_decode", _gdn_decode_z_in_kernel)]),
+    # the same, and b, a in the GDN kernel too (each program its head's two dots over the same input): no b/a GEMV on
+    # the second stream, so the GDN kernel joins nothing and keeps its programmatic launch from in_proj_qkv, which
+    # its z loads before the wait need (session 26: the join made it a full graph dependency)
+    "gdn-zba-in-kernel": (f"{'.'.join(_PROJECTIONS_CALL)}=in_proj_qkv alone, z, b and a in the GDN kernel", [
+        (*_PROJECTIONS_CALL, _z_in_kernel_projections),
+        ("roofline.kernels.mixers", "beside", _b_a_in_kernel),
         ("roofline.kernels.mixers", "gdn_decode", _gdn_decode_z_in_kernel)]),
     # session 39, timing only: the step's embedding gather (its first kernel, PyTorch's; in the profile ~6 us idle
     # follow it), and the shared expert's silu_mul launch. H100, 122B: +0.002 / -0.002 ms and -0.001 / -0.018 at

@@ -145,13 +145,13 @@ case "${1:-}" in
         --context 32768 --out "$OUT/ab-splits-$shape-32k.json" 2>&1 | tail -3
     done
     ;;
-  z)  # session 44's z experiments (NOTES-kernels, "Session 44"): the GDN kernel computing z itself, and z's GEMV on the
-    # second stream; their GPU tests first (kernel against the reference, the step's logits against the default's),
+  z)  # session 44's z experiments (NOTES-kernels, "Session 44"): the GDN kernel computing z (and b, a) itself, and z's
+    # GEMV on the second stream; their GPU tests first (kernel against the reference, the step's logits against the default's),
     # then one ab_step process on the 122B with timing-no-z (z free) as the bound, ~5 min
     gpu_tests 150 tests/test_kernels.py -m gpu -k z_from_its_weight
     gpu_tests 150 tests/test_bench_synthetic.py -m gpu -k real_outputs
-    timeout 220 python3 benchmarks/ab_step.py --variants z-beside-b-a,gdn-z-in-kernel,timing-no-z --rounds 3 \
-      --out "$OUT/ab-step-z-122b.json" 2>&1 | tail -12
+    timeout 240 python3 benchmarks/ab_step.py --variants z-beside-b-a,gdn-z-in-kernel,gdn-zba-in-kernel,timing-no-z \
+      --rounds 3 --out "$OUT/ab-step-z-122b.json" 2>&1 | tail -12
     ;;
   ab)  # predictions in NOTES-kernels "Session 17"; the JSON has every round
     timeout 300 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify,router-two-rows --rounds 3 2>&1 \

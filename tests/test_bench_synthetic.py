@@ -433,11 +433,11 @@ def test_ab_step_gdn_in_proj_parts_alone_give_the_merged_projections_columns():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["z-beside-b-a", "gdn-z-in-kernel"])
+@pytest.mark.parametrize("name", ["z-beside-b-a", "gdn-z-in-kernel", "gdn-zba-in-kernel"])
 def test_ab_step_variants_with_real_outputs_give_the_default_steps_logits(name):
-    """ab_step's variants that move work but keep the outputs (z's GEMV on the second stream; z inside the GDN
-    kernel) give the default step's logits, within the bf16 roundings of z's other summation order: the 122B's first
-    two layers (a GDN layer and the next), one captured step of one token and one of three, from the same random
+    """ab_step's variants that move work but keep the outputs (z's GEMV on the second stream; z, or z, b and a, inside
+    the GDN kernel) give the default step's logits, within the bf16 roundings of the other summation orders: the
+    122B's first two layers (GDN layers), one captured step of one token and one of three, from the same random
     state in fresh builds."""
     from roofline.bench.synthetic import SyntheticRun, fill_context
     from roofline.engine.graphs import DecodeGraphs

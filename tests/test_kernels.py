@@ -791,11 +791,11 @@ def z_from_int4(n, k, width, dtype, device):
     return x.to(device), q["qweight"].to(device), q["scales"].to(device), z.to(device)
 
 
-def check_gdn_defer_norm(bsz, hk, hv, dk, dv, dtype, device, block_v=None, tol=1e-2, m=1, z_k=0):
+def check_gdn_defer_norm(bsz, hk, hv, dk, dv, dtype, device, block_v=None, tol=1e-2, m=1, z_k=0, ba=False):
     """defer_norm: the kernel's w * o * silu(z) and per-block sums of o^2 are the reference's; finished (times each
     row's head rstd) they are the gated norm's output within its roundings; state and ring as without. m tokens a
     sequence (a verify step). z_k > 0: the kernel computes z itself from a z_k-long input and an INT4 weight
-    (z_weight), the reference takes that product."""
+    (z_weight), the reference takes that product; `ba`: b and a too, from the same input and a 16-bit weight."""
     args, c = gdn_inputs(bsz, hk, hv, dk, dv, dtype, device)
     n = bsz * m
     args.update(z=torch.randn(n, hv * dv, device=device).to(dtype), b=torch.randn(n, hv, device=device).to(dtype),
@@ -804,6 +804,10 @@ def check_gdn_defer_norm(bsz, hk, hv, dk, dv, dtype, device, block_v=None, tol=1
     if z_k:
         x, qweight, scales, args["z"] = z_from_int4(n, z_k, hv * dv, dtype, device)
         kernel_args = {"z": None, "z_weight": (x, qweight, scales)}
+        if ba:
+            w = (torch.randn(2 * hv, z_k) * 0.1).to(dtype).to(device)
+            args["b"], args["a"] = (x.float() @ w.float().t()).to(dtype).split(hv, dim=-1)
+            kernel_args.update(b=None, a=None, ba_weight=w)
     ref_args = {k: v.clone() for k, v in args.items()}
     normed_args = {k: v.clone() for k, v in args.items()}
     qkv = torch.randn(n, c, device=device).to(dtype)
@@ -841,19 +845,21 @@ def test_gdn_decode_defer_norm_gpu(block_v, m):
 
 
 @cpu
-@pytest.mark.parametrize("bsz,hk,hv,dk,dv,dtype,block_v,m,z_k", [
-    (1, 2, 4, 16, 16, torch.float32, 8, 1, 256),  # two groups: fewer than the four buffers the loads fill ahead
-    (2, 1, 3, 12, 24, torch.float16, 16, 1, 256),  # dv not a multiple of the block: the last block's z columns masked
-    (2, 2, 4, 16, 16, torch.float32, 8, 3, 768),  # a verify step (each token's own z row); six groups: buffers reused
+@pytest.mark.parametrize("bsz,hk,hv,dk,dv,dtype,block_v,m,z_k,ba", [
+    (1, 2, 4, 16, 16, torch.float32, 8, 1, 256, False),  # two groups: fewer than the four buffers the loads fill ahead
+    (2, 1, 3, 12, 24, torch.float16, 16, 1, 256, True),  # dv not a multiple of the block: the last z columns masked
+    (2, 2, 4, 16, 16, torch.float32, 8, 3, 768, False),  # a verify step (each token's own row); six groups: buffers reused
+    (1, 2, 4, 16, 16, torch.float32, 8, 3, 768, True),
 ])
-def test_gdn_decode_computes_z_from_its_weight_interpreter(bsz, hk, hv, dk, dv, dtype, block_v, m, z_k):
-    check_gdn_defer_norm(bsz, hk, hv, dk, dv, dtype, "cpu", block_v, tol=2e-3, m=m, z_k=z_k)
+def test_gdn_decode_computes_z_from_its_weight_interpreter(bsz, hk, hv, dk, dv, dtype, block_v, m, z_k, ba):
+    check_gdn_defer_norm(bsz, hk, hv, dk, dv, dtype, "cpu", block_v, tol=2e-3, m=m, z_k=z_k, ba=ba)
 
 
 @gpu
 @pytest.mark.parametrize("m", [1, 3])
-def test_gdn_decode_computes_z_from_its_weight_gpu(m):
-    check_gdn_defer_norm(1, 16, 64, 128, 128, torch.bfloat16, GPU, m=m, z_k=3072)
+@pytest.mark.parametrize("ba", [False, True])
+def test_gdn_decode_computes_z_from_its_weight_gpu(m, ba):
+    check_gdn_defer_norm(1, 16, 64, 128, 128, torch.bfloat16, GPU, m=m, z_k=3072, ba=ba)
 
 
 def test_gdn_decode_z_weight_rules():
@@ -870,6 +876,14 @@ def test_gdn_decode_z_weight_rules():
         gdn_decode(qkv, **{**args, "z": None}, z_weight=(x, qweight[:, :16], scales), defer_norm=True, **call)
     with pytest.raises(ValueError, match="needs z, or z_weight"):
         gdn_decode(qkv, **{**args, "z": None}, **call)
+    w = torch.randn(4, 128)
+    with pytest.raises(ValueError, match="ba_weight replaces b and a"):
+        gdn_decode(qkv, **{**args, "z": None}, z_weight=(x, qweight, scales), defer_norm=True, ba_weight=w, **call)
+    with pytest.raises(ValueError, match=r"ba_weight must be a contiguous \[4, 128\]"):
+        gdn_decode(qkv, **{**args, "z": None, "b": None, "a": None}, z_weight=(x, qweight, scales), defer_norm=True,
+                   ba_weight=w[:2], **call)
+    with pytest.raises(ValueError, match="needs b and a"):
+        gdn_decode(qkv, **{**args, "b": None}, **call)
 
 
 def check_head_norm(m, k, dv, nvb, dtype, device, config=None, tol=1e-2):

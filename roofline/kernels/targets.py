@@ -59,14 +59,17 @@ def _cases(arch: int):
     for m in (1, 3):
         consts = {"GROUP": 4, "GROUPP": 4, "BDK": 128, "BDV": 128, "BV": 16, "KERNEL": 4, "RING": 16,
                   "CONV_TY": tl.bfloat16, "M": m, "HAS_SLOTS": True, "SAVE_STEPS": m > 1, "PDL": True, "Z_DOT": False,
-                  "MP": 1}
+                  "BA_DOT": False, "MP": 1}
         cases.append((f"gdn decode M={m}", _gdn_decode_kernel, {**consts, "DEFER": False}, gdn, ("eps",), 2, 1))
         cases.append((f"gdn decode M={m}, the gated norm's rms left to out_proj (mixers.GDN_NORM_IN_OUT_PROJ)",
                       _gdn_decode_kernel, {**consts, "DEFER": True}, gdn, ("eps",), 2, 1))
         bv, warps = ONE_TOKEN_TILE if m == 1 else VERIFY_TILE
-        cases.append((f"gdn decode M={m}, z computed in the kernel (gdn_decode's z_weight)", _gdn_decode_kernel,
-                      {**consts, "BV": bv, "DEFER": True, "Z_DOT": True, "MP": 1 if m == 1 else 4},
-                      {**gdn, "zx_ptr": "*bf16", "zq_ptr": "*i32", "zs_ptr": "*fp16"}, ("eps",), warps, 1))
+        for ba in (False, True):
+            cases.append((f"gdn decode M={m}, z {'and b, a ' if ba else ''}computed in the kernel (gdn_decode's "
+                          f"z_weight{', ba_weight' if ba else ''})", _gdn_decode_kernel,
+                          {**consts, "BV": bv, "DEFER": True, "Z_DOT": True, "BA_DOT": ba, "MP": 1 if m == 1 else 4},
+                          {**gdn, "zx_ptr": "*bf16", "zq_ptr": "*i32", "zs_ptr": "*fp16", "ba_ptr": "*bf16"},
+                          ("eps",), warps, 1))
     cases.append(("gdn replay (the verify's rollback)", _gdn_replay_kernel, {"GROUP": 4, "BDK": 128, "BV": 16},
                   {"state_ptr": "*fp32", "rec_ptr": "*fp32"}, (), 2, 1))
     fp8 = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
