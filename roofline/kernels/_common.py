@@ -164,6 +164,13 @@ def triton_dtype(dtype: torch.dtype):
 
 
 @triton.jit
+def pick(v, idx, i: tl.constexpr):
+    """Where idx == i, v summed over axis 0: element i of a small 1-D tensor as a scalar, or with idx [R, 1] row i
+    of an [R, N] tensor."""
+    return tl.sum(tl.where(idx == i, v, 0), axis=0)
+
+
+@triton.jit
 def arrive(counter_ptr, expected):
     """Count this program's arrival; True in the program that arrives last (it then resets the counter).
 

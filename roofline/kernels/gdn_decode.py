@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from ..engine.cache import step_record_size
-from ._common import (INTERPRET, arrive, counters_for, next_pow2, pdl_options, reset, rows_in_place,
+from ._common import (INTERPRET, arrive, counters_for, next_pow2, pdl_options, pick, reset, rows_in_place,
                       wait_for_inputs)
 
 MAX_TOKENS = 5  # tokens per sequence in one step (1 decode token + up to 4 MTP drafts)
@@ -250,15 +250,16 @@ def _z_group_loads(q_ptr, s_ptr, ba_ptr, x_row, XS, g, G, col, cmask, N, head, H
 
 
 @triton.jit
-def _z_group_math(words, scales, xk, wb, wa, acc, b_acc, a_acc):
+def _z_group_math(words, scales, xk, wb, wa, acc, b_acc, a_acc, BA: tl.constexpr):
     """One group added to the sums: z [MP, BV] (the rows' inputs times its dequantised words, zero 8, scaled), and
-    b and a [MP] (the inputs times the head's two weight rows; zeros without them)."""
+    with BA b and a [MP] (the inputs times the head's two weight rows)."""
     q = (words[:, None, :] >> (4 * tl.arange(0, 8))[None, :, None]) & 15  # [16, 8, BV]
     x = xk.to(tl.float32)
     part = tl.sum(tl.sum(x[:, :, :, None] * (q - 8).to(tl.float32)[None], axis=2), axis=1)
     acc += part * scales.to(tl.float32)[None, :]
-    b_acc += tl.sum(tl.sum(x * wb, axis=2), axis=1)
-    a_acc += tl.sum(tl.sum(x * wa, axis=2), axis=1)
+    if BA:
+        b_acc += tl.sum(tl.sum(x * wb, axis=2), axis=1)
+        a_acc += tl.sum(tl.sum(x * wa, axis=2), axis=1)
     return acc, b_acc, a_acc
 
 
@@ -281,7 +282,7 @@ def _input_dots(x_row, XS, q_ptr, s_ptr, ba_ptr, col, cmask, head, HV, K, N, M: 
     b_acc = tl.zeros([MP], dtype=tl.float32)
     a_acc = tl.zeros([MP], dtype=tl.float32)
     for g in range(0, G):
-        acc, b_acc, a_acc = _z_group_math(qa, sa, xa, ba, aa, acc, b_acc, a_acc)
+        acc, b_acc, a_acc = _z_group_math(qa, sa, xa, ba, aa, acc, b_acc, a_acc, BA)
         qn, sn, xn, bn, an = _z_group_loads(q_ptr, s_ptr, ba_ptr, x_row, XS, g + 4, G, col, cmask, N, head, HV, K, M,
                                             MP, BA)
         qa, sa, xa, ba, aa, qb, sb, xb, bb, ab = qb, sb, xb, bb, ab, qc, sc, xc, bc, ac
@@ -355,8 +356,8 @@ def _gdn_decode_kernel(
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * (1.0 / tl.sqrt(DK.to(tl.float32)))
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         if BA_DOT:
-            bv = tl.sum(tl.where(tl.arange(0, MP) == j, b_rows, 0.0), axis=0)
-            av = tl.sum(tl.where(tl.arange(0, MP) == j, a_rows, 0.0), axis=0)
+            bv = pick(b_rows, tl.arange(0, MP), j)
+            av = pick(a_rows, tl.arange(0, MP), j)
         else:
             bv = tl.load(b_ptr + tok * BS + h).to(tl.float32)
             av = tl.load(a_ptr + tok * AS + h).to(tl.float32)
@@ -372,7 +373,7 @@ def _gdn_decode_kernel(
             of = o.to(ty).to(tl.float32)
             tl.store(parts_ptr + (tok * HV + h) * NVB + vb, tl.sum(of * of, axis=0))
             if Z_DOT:
-                zz = tl.sum(tl.where(tl.arange(0, MP)[:, None] == j, z_rows, 0.0), axis=0)
+                zz = pick(z_rows, tl.arange(0, MP)[:, None], j)
             else:
                 zz = tl.load(z_ptr + tok * ZS + h * DV + vv, mask=vmask, other=0).to(tl.float32)
             gated = (nw * of).to(ty).to(tl.float32) * (zz / (1.0 + tl.exp(-zz)))

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, arrive, counters_for, next_pow2, pdl_options, reset, sum_splits, wait_for_inputs
+from ._common import (INTERPRET, arrive, counters_for, next_pow2, pdl_options, pick, reset, sum_splits,
+                      wait_for_inputs)
 from .int4_gemv import (
     MAGIC,
     _launch_geometry,
@@ -81,12 +82,6 @@ def experts_down_reference(act, ids, weights, qweight, qzeros, scales, group_siz
 
 
 @triton.jit
-def _pick(v, idx, i: tl.constexpr):
-    """Element i of a small 1-D tensor as a scalar."""
-    return tl.sum(tl.where(idx == i, v, 0), axis=0)
-
-
-@triton.jit
 def _slot_owner(ids_ptr, T, CH: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr):
     """The program's (chunk, is_owner, expert, rows, routed, choice). The grid's axis 1 runs over (token chunk,
     slot) pairs, CH * TOPK slots a chunk.
@@ -130,8 +125,8 @@ def _expert_tile(
     else:
         ok = routed.to(tl.int32)
         y0, y1, y2, y3 = int4_group_dot(
-            x_ptr, _pick(row_off, rr, 0), _pick(row_off, rr, 1), _pick(row_off, rr, 2), _pick(row_off, rr, 3),
-            _pick(ok, rr, 0) > 0, _pick(ok, rr, 1) > 0, _pick(ok, rr, 2) > 0, _pick(ok, rr, 3) > 0,
+            x_ptr, pick(row_off, rr, 0), pick(row_off, rr, 1), pick(row_off, rr, 2), pick(row_off, rr, 3),
+            pick(ok, rr, 0) > 0, pick(ok, rr, 1) > 0, pick(ok, rr, 2) > 0, pick(ok, rr, 3) > 0,
             qw_e, qz_e, sc_e, n_offs, n_mask, N, kp_start, kp_end, magic, GROUP, CH, BN, ROWS, SYM)
         out = tl.where(rr[:, None] == 0, y0[None, :], 0.0)
         if CH > 1:
