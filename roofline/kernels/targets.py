@@ -58,8 +58,7 @@ def _cases(arch: int):
                rin_ptr="*i32", rout_ptr="*i32", srec_ptr="*fp32", parts_ptr="*fp32")
     for m in (1, 3):
         consts = {"GROUP": 4, "GROUPP": 4, "BDK": 128, "BDV": 128, "BV": 16, "KERNEL": 4, "RING": 16,
-                  "CONV_TY": tl.bfloat16, "M": m, "HAS_SLOTS": True, "SAVE_STEPS": m > 1, "PDL": True, "Z_DOT": False,
-                  "BA_DOT": False, "MP": 1}
+                  "CONV_TY": tl.bfloat16, "M": m, "HAS_SLOTS": True, "SAVE_STEPS": m > 1, "PDL": True}
         cases.append((f"gdn decode M={m}", _gdn_decode_kernel, {**consts, "DEFER": False}, gdn, ("eps",), 2, 1))
         cases.append((f"gdn decode M={m}, the gated norm's rms left to out_proj (mixers.GDN_NORM_IN_OUT_PROJ)",
                       _gdn_decode_kernel, {**consts, "DEFER": True}, gdn, ("eps",), 2, 1))
@@ -118,6 +117,8 @@ def check_targets(archs=(90, 121)) -> list[str]:
     problems = []
     for arch in archs:
         for name, fn, consts, pointers, floats, warps, stages in _cases(arch):
+            # constexprs a case leaves out take their defaults, as the JIT gives them (not runtime integers)
+            consts = {**{q.name: q.default for q in fn.params if q.is_constexpr and q.has_default}, **consts}
             sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a in floats else "i32")
                    for a in fn.arg_names}
             aligned = {a for a in fn.arg_names if a not in consts and a not in floats and a not in NOT_DIV16}
