@@ -414,8 +414,9 @@ def test_ab_step_runs_its_rounds_on_the_tiny_shape_in_the_interpreter():
 
 
 def test_ab_step_gdn_in_proj_parts_alone_give_the_merged_projections_columns():
-    """ab_step's z-beside-b-a and timing-no-z run in_proj_qkv and z as weights of their own, carved out of the merged
-    in_proj_qkv+z: each part's GEMV must give the merged GEMV's columns (interpreter, tiny shape, one layer)."""
+    """ab_step's z variants (z-beside-b-a, gdn-z-in-kernel, gdn-zba-in-kernel, timing-no-z) run in_proj_qkv and z as
+    weights of their own, carved out of the merged in_proj_qkv+z: each part's GEMV must give the merged GEMV's
+    columns (interpreter, tiny shape, one layer)."""
     pytest.importorskip("triton")
     from roofline.model.layers import GatedDeltaNet
 
