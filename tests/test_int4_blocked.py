@@ -194,3 +194,68 @@ def test_an_unknown_int4_gemm_kind_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("ROOFLINE_INT4_GEMM", "fused")
     with pytest.raises(UserError, match="ROOFLINE_INT4_GEMM must be one of dequant, triton, got 'fused'"):
         int4_gemm_wanted()
+
+
+def _gdn_install(tmp_path, monkeypatch, on: bool, **overrides):
+    """A tiny INT4 checkpoint loaded twice in fp16: as stored, and with the fast path installed (interpreter) with
+    mixers.GDN_INPUTS_IN_KERNEL `on` -> (stored model, fast model, installed)."""
+    pytest.importorskip("triton")
+    from roofline.checkpoint import load_model
+    from roofline.kernels import mixers
+    from roofline.kernels.dispatch import install_fast_path
+    from tiny_checkpoints import INT4_PLAN, write_random_checkpoint
+
+    path = write_random_checkpoint(tmp_path / "m", seed=5, plan={**INT4_PLAN, "dense_mlp": "int4"}, **overrides)
+    monkeypatch.setattr(mixers, "GDN_INPUTS_IN_KERNEL", on)
+    stored, _ = load_model(path, "cpu", torch.float16)
+    fast, _ = load_model(path, "cpu", torch.float16)
+    return stored, fast, install_fast_path(fast, allow_cpu=True).installed
+
+
+def _gdn_layers(model):
+    from roofline.model.layers import GatedDeltaNet
+
+    return [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+
+
+# in_proj_qkv 384 columns, z 256: the merged whole is block-repacked
+DENSE_DV128 = dict(moe=False, layers=2, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=64,
+                   linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2, intermediate_size=384)
+
+
+def test_gdn_inputs_in_kernel_split_the_merged_in_proj_back_into_weights_of_their_own(tmp_path, monkeypatch):
+    """Where the GDN kernel computes z, b and a itself (heads of 128 values, an out projection that adds the
+    residual), install splits the merged in_proj_qkv+z: in_proj_qkv block-repacked, z in the GPTQ order the kernel
+    reads, each with storage of its own (the merged whole freed), both the checkpoint's values; b/a stay merged."""
+    stored, fast, installed = _gdn_install(tmp_path, monkeypatch, True, **DENSE_DV128)
+    (want,), (gdn,) = _gdn_layers(stored), _gdn_layers(fast)
+    assert installed["GDN z, b and a computed in the GDN kernel"] == 1 and "merged in_proj_qkv+in_proj_z" not in installed
+    assert gdn.inputs_in_kernel and gdn.merged["qkv_z"].merged is None
+    assert gdn.merged["qkv_z"].blocker == "z computed in the GDN kernel" and gdn.merged["b_a"].merged is not None
+    qkv, z = gdn.in_proj_qkv, gdn.in_proj_z
+    assert qkv.blocked and torch.equal(qkv.qweight, block_qweight(want.in_proj_qkv.qweight))
+    assert not z.blocked and torch.equal(z.qweight, want.in_proj_z.qweight)
+    for name in ("qzeros", "scales"):
+        assert torch.equal(getattr(qkv, name), getattr(want.in_proj_qkv, name))
+        assert torch.equal(getattr(z, name), getattr(want.in_proj_z, name))
+    for w in (qkv, z):  # own storage, nothing more: no view keeps the merged whole alive
+        for t in (w.qweight, w.qzeros, w.scales):
+            assert t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    assert qkv.qweight.untyped_storage().data_ptr() != z.qweight.untyped_storage().data_ptr()
+    x = torch.randn(8, qkv.in_features, dtype=torch.float16, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(z(x), want.in_proj_z(x), rtol=0, atol=0)  # 8 rows: the many-rows path reads GPTQ order
+
+
+def test_gdn_inputs_stay_merged_where_switched_off_or_the_norm_is_not_deferred(tmp_path, monkeypatch, caplog):
+    """Switched off, or with heads of 32 values (the GDN kernel keeps its norm, so it needs z), in_proj_qkv+z stay
+    merged and the log says why no layer computes them in the GDN kernel."""
+    for on, overrides, why in ((False, DENSE_DV128, "ROOFLINE_GDN_INPUTS_IN_KERNEL=0"),
+                               (True, {}, "the GDN kernel does not leave its norm to the out projection")):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="roofline.kernels"):
+            _, fast, installed = _gdn_install(tmp_path / str(on), monkeypatch, on, **overrides)
+        gdns = _gdn_layers(fast)
+        assert gdns and not any(g.inputs_in_kernel for g in gdns)
+        assert installed["merged in_proj_qkv+in_proj_z"] == len(gdns)
+        assert "GDN z, b and a computed in the GDN kernel" not in installed
+        assert f"{len(gdns)} ({why})" in caplog.text

@@ -296,13 +296,22 @@ def test_cuda_graph_greedy_tokens_equal_reference(checkpoint, k):
     assert captures() == made > 0, "no step waited for a capture"
 
 
-def spy_gdn_decode(monkeypatch) -> list:
-    """Record (defer_norm, tokens_per_seq) of every mixers.gdn_decode call, which still runs."""
+def spy_gdn_decode(monkeypatch, inputs: list | None = None) -> list:
+    """Record (defer_norm, tokens_per_seq) of every mixers.gdn_decode call, which still runs; into `inputs` whether
+    the call left z, b and a to the kernel (z_weight and ba_weight given, z, b and a None)."""
     from roofline.kernels import mixers
 
     calls, run_gdn = [], mixers.gdn_decode
-    monkeypatch.setattr(mixers, "gdn_decode", lambda *a, **kw: calls.append(
-        (kw["defer_norm"], kw["tokens_per_seq"])) or run_gdn(*a, **kw))
+
+    def spy(qkv, z, b, a, *args, **kw):
+        calls.append((kw["defer_norm"], kw["tokens_per_seq"]))
+        if inputs is not None:
+            from_weights = kw.get("z_weight") is not None and kw.get("ba_weight") is not None
+            assert from_weights == (z is None and b is None and a is None)
+            inputs.append(from_weights)
+        return run_gdn(qkv, z, b, a, *args, **kw)
+
+    monkeypatch.setattr(mixers, "gdn_decode", spy)
     return calls
 
 
@@ -475,7 +484,8 @@ def test_freeze_startup_heap_puts_what_start_built_out_of_the_collectors_reach()
 def check_dense_residuals(path, monkeypatch, device, dtype, tol, k=None, prompt=(5,), max_tokens=2, pooled=True):
     """With blocks.DENSE_RESIDUAL_IN_GEMVS the dense model's down projections add h in their epilogues, and on the
     pooled step (`pooled`: the engine with CUDA graphs) its out projections add the layer's input (finishing the GDN's
-    gated norm), in every step (the verify's too); switched off, add_rms_norm and a separate add run. The prefill's
+    gated norm, whose kernel then computes z, b and a itself), in every step (the verify's too); switched off,
+    add_rms_norm and a separate add run, after the merged in_proj_qkv+z and the b/a GEMV. The prefill's
     token is the same, and the next tokens' log-probabilities (the first decoded token's top 5 too) agree within `tol`
     while both runs choose the same tokens."""
     from roofline.kernels import blocks, dispatch
@@ -483,7 +493,8 @@ def check_dense_residuals(path, monkeypatch, device, dtype, tol, k=None, prompt=
     residual_calls, run_residual = [], dispatch._int4_residual
     monkeypatch.setattr(dispatch, "_int4_residual", lambda weight, *a, **kw: residual_calls.append(
         weight.in_features) or run_residual(weight, *a, **kw))  # bound per weight at install: patched before it
-    deferred = spy_gdn_decode(monkeypatch)
+    in_kernel = []
+    deferred = spy_gdn_decode(monkeypatch, in_kernel)
     events = {}
     for on in (True, False):
         monkeypatch.setattr(blocks, "DENSE_RESIDUAL_IN_GEMVS", on)
@@ -498,13 +509,16 @@ def check_dense_residuals(path, monkeypatch, device, dtype, tol, k=None, prompt=
             assert residual_calls.count(cfg.intermediate_size) * gdn_layers == len(deferred) * cfg.num_hidden_layers > 0
             assert all(d for d, _ in deferred), "the GDN kernel leaves its norm's rms to out_proj"
             assert not k or (k + 1) in {rows for _, rows in deferred}, "the verify steps take it too"
+            assert in_kernel and all(in_kernel), "and computes z, b and a itself (mixers.GDN_INPUTS_IN_KERNEL)"
         elif on:  # eager decode (no pool): the layer's add_rms_norm, then the down projection adds h
             assert set(residual_calls) == {cfg.intermediate_size} and not deferred
         else:
             assert not residual_calls and not any(d for d, _ in deferred), "off: add_rms_norm and the add"
             assert bool(deferred) == pooled
+        assert not any(in_kernel) or (on and pooled), "z, b and a from their weights only where the norm is deferred"
         residual_calls.clear()
         deferred.clear()
+        in_kernel.clear()
         del engine
     assert events[True][0].token_id == events[False][0].token_id, "the prefill's token"
     assert_same_logprobs(events[True], events[False], tol)
