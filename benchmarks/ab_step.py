@@ -372,6 +372,11 @@ VARIANTS = {
 }
 
 
+# the variants that replace calls of the GDN's merged in_proj_qkv+z or its b/a GEMV, so they change nothing where the
+# GDN kernel computes z, b and a itself (mixers.GDN_INPUTS_IN_KERNEL)
+_MERGED_IN_PROJ_VARIANTS = {"timing-no-b-a", "timing-no-z", "z-beside-b-a", "gdn-z-in-kernel", "gdn-zba-in-kernel"}
+
+
 @contextlib.contextmanager
 def variant(name: str):
     """Inside the block the kernels run as with the variant's environment switch (or module constant); the defaults
@@ -427,6 +432,12 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
     from roofline.kernels._common import next_pow2
 
     names = ["default"] + list(variants)
+    from roofline.kernels import mixers
+
+    if mixers.GDN_INPUTS_IN_KERNEL and set(variants) & _MERGED_IN_PROJ_VARIANTS:
+        raise SystemExit(f"{', '.join(sorted(set(variants) & _MERGED_IN_PROJ_VARIANTS))} replace the merged "
+                         "in_proj_qkv+z and b/a GEMVs, which the engine's default no longer runs: set "
+                         "ROOFLINE_GDN_INPUTS_IN_KERNEL=0")
     for name in names:
         with variant(name):  # an unknown name or a renamed flag fails here, before the model is built
             pass

@@ -433,31 +433,57 @@ def test_ab_step_gdn_in_proj_parts_alone_give_the_merged_projections_columns():
     assert ab._alone(merged, 1) is ab._alone(merged, 1)  # made once
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["z-beside-b-a", "gdn-z-in-kernel", "gdn-zba-in-kernel"])
-def test_ab_step_variants_with_real_outputs_give_the_default_steps_logits(name):
-    """ab_step's variants that move work but keep the outputs (z's GEMV on the second stream; z, or z, b and a, inside
-    the GDN kernel) give the default step's logits, within the bf16 roundings of the other summation orders: the
-    122B's first two layers (GDN layers), one captured step of one token and one of three, from the same random
-    state in fresh builds."""
+def _first_two_layers_logits(ab, variant: str = "default") -> tuple[list[torch.Tensor], bool]:
+    """The 122B's first two layers (GDN layers) built fresh on the GPU with ab_step's `variant`: the logits of one
+    captured step of one token and one of three, from the same random state, and whether both GDN layers compute
+    z, b and a in the GDN kernel (mixers.GDN_INPUTS_IN_KERNEL)."""
     from roofline.bench.synthetic import SyntheticRun, fill_context
     from roofline.engine.graphs import DecodeGraphs
+    from roofline.model.layers import GatedDeltaNet
+
+    model, _, pool, cache = ab.one_sequence_setup("qwen3.5-122b-a10b", "cuda", 4096, layers=2)
+    fill_context(SyntheticRun(model, pool, None, cache, None), 64)
+    with ab.variant(variant):
+        graphs = DecodeGraphs(model, pool, 1, use_graphs=True)
+        out = [graphs.run([5, 7, 11][:m], [cache], m).logits[:m].float().clone() for m in (1, 3)]
+    torch.cuda.synchronize()
+    gdns = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    return out, len(gdns) == 2 and all(g.inputs_in_kernel for g in gdns)
+
+
+def _assert_close_logits(got: list[torch.Tensor], want: list[torch.Tensor], name: str) -> None:
+    """Within the bf16 roundings of another summation order."""
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        assert (g - w).norm() / w.norm() < 2e-2, name
+        assert (g.argmax(-1) == w.argmax(-1)).float().mean() >= 0.5, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["z-beside-b-a", "gdn-z-in-kernel", "gdn-zba-in-kernel"])
+def test_ab_step_variants_with_real_outputs_give_the_default_steps_logits(name, monkeypatch):
+    """ab_step's variants that move work but keep the outputs (z's GEMV on the second stream; z, or z, b and a, inside
+    the GDN kernel) give the merged step's logits (mixers.GDN_INPUTS_IN_KERNEL off, which they start from)."""
+    from roofline.kernels import mixers
+
+    monkeypatch.setattr(mixers, "GDN_INPUTS_IN_KERNEL", False)
+    ab = _benchmark_script("ab_step")
+    _assert_close_logits(_first_two_layers_logits(ab, name)[0], _first_two_layers_logits(ab)[0], name)
+
+
+@pytest.mark.gpu
+def test_gdn_inputs_in_kernel_give_the_merged_steps_logits_at_122b_sizes(monkeypatch):
+    """The engine's default, the GDN kernel computing z, b and a (taken by both layers), against the merged
+    in_proj_qkv+z and the b/a GEMV (mixers.GDN_INPUTS_IN_KERNEL off)."""
+    from roofline.kernels import mixers
 
     ab = _benchmark_script("ab_step")
-
-    def logits(variant: str) -> list[torch.Tensor]:
-        model, _, pool, cache = ab.one_sequence_setup("qwen3.5-122b-a10b", "cuda", 4096, layers=2)
-        fill_context(SyntheticRun(model, pool, None, cache, None), 64)
-        with ab.variant(variant):
-            graphs = DecodeGraphs(model, pool, 1, use_graphs=True)
-            out = [graphs.run([5, 7, 11][:m], [cache], m).logits[:m].float().clone() for m in (1, 3)]
-        torch.cuda.synchronize()
-        return out
-
-    for got, want in zip(logits(name), logits("default")):
-        assert torch.isfinite(got).all()
-        assert (got - want).norm() / want.norm() < 2e-2, name
-        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.5, name
+    got, in_kernel = _first_two_layers_logits(ab)
+    assert in_kernel
+    monkeypatch.setattr(mixers, "GDN_INPUTS_IN_KERNEL", False)
+    want, in_kernel = _first_two_layers_logits(ab)
+    assert not in_kernel
+    _assert_close_logits(got, want, "GDN_INPUTS_IN_KERNEL")
 
 
 def test_graph_order_times_each_set_of_graphs_first_and_in_rounds_on_the_tiny_shape(monkeypatch):

@@ -338,25 +338,34 @@ def assert_same_logprobs(got: list, want: list, tol: float) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [None, 2])
-def test_gdn_norm_in_out_proj_keeps_the_tokens_logprobs_gpu(tmp_path, monkeypatch, k):
+@pytest.mark.parametrize("flag", ["GDN_NORM_IN_OUT_PROJ", "GDN_INPUTS_IN_KERNEL"])
+def test_gdn_norm_and_inputs_in_kernel_keep_the_tokens_logprobs_gpu(tmp_path, monkeypatch, flag, k):
     """bf16, INT4, GDN heads of 128 values (the published models'): with the GDN step leaving its gated norm's rms
-    to the out projection (mixers.GDN_NORM_IN_OUT_PROJ, taken here; with MTP-2 also by the 3-row verify steps) the
-    first decoded token (after the prefill's) and its top log-probabilities are those of the step with the norm in
-    the GDN kernel, within bf16's roundings, and so is each later token's log-probability while both agree."""
+    to the out projection (mixers.GDN_NORM_IN_OUT_PROJ, taken here; with MTP-2 also by the 3-row verify steps), or on
+    top of that computing z, b and a in the GDN kernel (mixers.GDN_INPUTS_IN_KERNEL), the first decoded token (after
+    the prefill's) and its top log-probabilities are those of the step without, within bf16's roundings, and so is
+    each later token's log-probability while both agree. One change at a time."""
     from roofline.kernels import mixers
 
     path = write_random_checkpoint(tmp_path / "dv128", seed=3, plan=INT4_PLAN, linear_value_head_dim=128)
-    calls = spy_gdn_decode(monkeypatch)
+    in_kernel = []
+    calls = spy_gdn_decode(monkeypatch, in_kernel)
     events = {}
-    for defer in (True, False):
-        monkeypatch.setattr(mixers, "GDN_NORM_IN_OUT_PROJ", defer)
+    for on in (True, False):
+        monkeypatch.setattr(mixers, flag, on)
+        if flag == "GDN_NORM_IN_OUT_PROJ":
+            monkeypatch.setattr(mixers, "GDN_INPUTS_IN_KERNEL", False)
         engine = Engine.from_pretrained(str(path), device="cuda", dtype="bfloat16", cuda_graphs=True, max_num_seqs=1,
                                         speculative=SpeculativeConfig(k) if k else None)
-        events[defer] = greedy_events(engine, PROMPTS[0], 8)
+        events[on] = greedy_events(engine, PROMPTS[0], 8)
         deferred_rows = {rows for deferred, rows in calls if deferred}
-        assert (k or 0) + 1 in deferred_rows if defer else not deferred_rows, \
+        deferred = on or flag == "GDN_INPUTS_IN_KERNEL"
+        assert (k or 0) + 1 in deferred_rows if deferred else not deferred_rows, \
             "the deferred norm runs exactly when switched on, in the verify steps too"
+        from_weights = on and flag == "GDN_INPUTS_IN_KERNEL"
+        assert in_kernel and all(in_kernel) == from_weights and any(in_kernel) == from_weights
         calls.clear()
+        in_kernel.clear()
         del engine
     assert events[True][0] == events[False][0], "the prefill's token: the same path"
     assert_same_logprobs(events[True], events[False], 0.06)
