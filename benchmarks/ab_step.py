@@ -436,8 +436,7 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
 
     if mixers.GDN_INPUTS_IN_KERNEL and set(variants) & _MERGED_IN_PROJ_VARIANTS:
         raise SystemExit(f"{', '.join(sorted(set(variants) & _MERGED_IN_PROJ_VARIANTS))} replace the merged "
-                         "in_proj_qkv+z and b/a GEMVs, which the engine's default no longer runs: set "
-                         "ROOFLINE_GDN_INPUTS_IN_KERNEL=0")
+                         "in_proj_qkv+z and b/a GEMVs, which ROOFLINE_GDN_INPUTS_IN_KERNEL=1 does not run")
     for name in names:
         with variant(name):  # an unknown name or a renamed flag fails here, before the model is built
             pass

@@ -31,8 +31,8 @@
 #   OUT=... bash benchmarks/experiments.sh z        # the GDN kernel computing z (and b, a) itself and z's GEMV on
 #                                                   # the second stream (session 44): ab_step, then their GPU tests
 #                                                   # (~8 min)
-#   OUT=... bash benchmarks/experiments.sh inputs   # the GDN kernel computing z, b and a (the default) against the
-#                                                   # merged GEMVs, alternating processes, then their GPU test (~6 min)
+#   OUT=... bash benchmarks/experiments.sh inputs   # the GDN kernel computing z, b and a (opt-in) against the merged
+#                                                   # GEMVs, alternating processes, then their GPU test (~6 min)
 #   OUT=... bash benchmarks/experiments.sh ab       # in one process on one 122B build (benchmarks/ab_step.py), 3
 #                                                   # alternating rounds of the M = 1 and M = 3 (verify) graphs: the
 #                                                   # default against session 17's router and INT4 configs (session
@@ -152,15 +152,14 @@ case "${1:-}" in
     # GEMV on the second stream. One ab_step process on the 122B first, with timing-no-z (z free) as the bound; then
     # their GPU tests (the kernel against the reference, the step's logits against the default's), which a call cut
     # at 10 minutes loses first (the second builds the 122B's first two layers six times), ~8 min
-    ROOFLINE_GDN_INPUTS_IN_KERNEL=0 timeout 240 python3 benchmarks/ab_step.py \
-      --variants z-beside-b-a,gdn-z-in-kernel,gdn-zba-in-kernel,timing-no-z \
+    timeout 240 python3 benchmarks/ab_step.py --variants z-beside-b-a,gdn-z-in-kernel,gdn-zba-in-kernel,timing-no-z \
       --rounds 3 --out "$OUT/ab-step-z-122b.json" 2>&1 | tail -12
     gpu_tests 120 tests/test_kernels.py -m gpu -k z_from_its_weight
     gpu_tests 200 tests/test_bench_synthetic.py -m gpu -k real_outputs
     ;;
-  inputs)  # the engine with the GDN kernel computing z, b and a (mixers.GDN_INPUTS_IN_KERNEL, the default) against
-    # the merged in_proj_qkv+z and the b/a GEMV, ab_step's default in alternating processes ABBA (it is chosen at
-    # install), then the GPU tests of both paths' outputs (~6 min)
+  inputs)  # the engine with the GDN kernel computing z, b and a (ROOFLINE_GDN_INPUTS_IN_KERNEL=1, opt-in) against
+    # the merged in_proj_qkv+z and the b/a GEMV (the default), ab_step's default in alternating processes ABBA (it is
+    # chosen at install), then the GPU test of both paths' outputs (~6 min)
     for on in 0 1 1 0; do
       echo "== ROOFLINE_GDN_INPUTS_IN_KERNEL=$on"
       ROOFLINE_GDN_INPUTS_IN_KERNEL=$on timeout 120 python3 benchmarks/ab_step.py --variants "" --rounds 3 \

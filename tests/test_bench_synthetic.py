@@ -461,23 +461,21 @@ def _assert_close_logits(got: list[torch.Tensor], want: list[torch.Tensor], name
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["z-beside-b-a", "gdn-z-in-kernel", "gdn-zba-in-kernel"])
-def test_ab_step_variants_with_real_outputs_give_the_default_steps_logits(name, monkeypatch):
+def test_ab_step_variants_with_real_outputs_give_the_default_steps_logits(name):
     """ab_step's variants that move work but keep the outputs (z's GEMV on the second stream; z, or z, b and a, inside
-    the GDN kernel) give the merged step's logits (mixers.GDN_INPUTS_IN_KERNEL off, which they start from)."""
-    from roofline.kernels import mixers
-
-    monkeypatch.setattr(mixers, "GDN_INPUTS_IN_KERNEL", False)
+    the GDN kernel) give the default step's logits (the merged in_proj_qkv+z, which they start from)."""
     ab = _benchmark_script("ab_step")
     _assert_close_logits(_first_two_layers_logits(ab, name)[0], _first_two_layers_logits(ab)[0], name)
 
 
 @pytest.mark.gpu
 def test_gdn_inputs_in_kernel_give_the_merged_steps_logits_at_122b_sizes(monkeypatch):
-    """The engine's default, the GDN kernel computing z, b and a (taken by both layers), against the merged
-    in_proj_qkv+z and the b/a GEMV (mixers.GDN_INPUTS_IN_KERNEL off)."""
+    """The GDN kernel computing z, b and a (mixers.GDN_INPUTS_IN_KERNEL, taken by both layers) against the merged
+    in_proj_qkv+z and the b/a GEMV (the default)."""
     from roofline.kernels import mixers
 
     ab = _benchmark_script("ab_step")
+    monkeypatch.setattr(mixers, "GDN_INPUTS_IN_KERNEL", True)
     got, in_kernel = _first_two_layers_logits(ab)
     assert in_kernel
     monkeypatch.setattr(mixers, "GDN_INPUTS_IN_KERNEL", False)

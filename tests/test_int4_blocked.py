@@ -249,7 +249,7 @@ def test_gdn_inputs_in_kernel_split_the_merged_in_proj_back_into_weights_of_thei
 def test_gdn_inputs_stay_merged_where_switched_off_or_the_norm_is_not_deferred(tmp_path, monkeypatch, caplog):
     """Switched off, or with heads of 32 values (the GDN kernel keeps its norm, so it needs z), in_proj_qkv+z stay
     merged and the log says why no layer computes them in the GDN kernel."""
-    for on, overrides, why in ((False, DENSE_DV128, "ROOFLINE_GDN_INPUTS_IN_KERNEL=0"),
+    for on, overrides, why in ((False, DENSE_DV128, "off: ROOFLINE_GDN_INPUTS_IN_KERNEL=1 turns it on"),
                                (True, {}, "the GDN kernel does not leave its norm to the out projection")):
         caplog.clear()
         with caplog.at_level("INFO", logger="roofline.kernels"):
@@ -259,3 +259,13 @@ def test_gdn_inputs_stay_merged_where_switched_off_or_the_norm_is_not_deferred(t
         assert installed["merged in_proj_qkv+in_proj_z"] == len(gdns)
         assert "GDN z, b and a computed in the GDN kernel" not in installed
         assert f"{len(gdns)} ({why})" in caplog.text
+
+
+def test_an_unknown_gdn_inputs_switch_is_refused_by_name():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ROOFLINE_GDN_INPUTS_IN_KERNEL": "yes"}
+    run = subprocess.run([sys.executable, "-c", "import roofline.kernels.mixers"], env=env, capture_output=True, text=True)
+    assert run.returncode != 0 and "ROOFLINE_GDN_INPUTS_IN_KERNEL must be 0 or 1, got 'yes'" in run.stderr

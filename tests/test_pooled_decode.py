@@ -493,11 +493,11 @@ def test_freeze_startup_heap_puts_what_start_built_out_of_the_collectors_reach()
 def check_dense_residuals(path, monkeypatch, device, dtype, tol, k=None, prompt=(5,), max_tokens=2, pooled=True):
     """With blocks.DENSE_RESIDUAL_IN_GEMVS the dense model's down projections add h in their epilogues, and on the
     pooled step (`pooled`: the engine with CUDA graphs) its out projections add the layer's input (finishing the GDN's
-    gated norm, whose kernel then computes z, b and a itself), in every step (the verify's too); switched off,
-    add_rms_norm and a separate add run, after the merged in_proj_qkv+z and the b/a GEMV. The prefill's
-    token is the same, and the next tokens' log-probabilities (the first decoded token's top 5 too) agree within `tol`
-    while both runs choose the same tokens."""
-    from roofline.kernels import blocks, dispatch
+    gated norm), in every step (the verify's too); with mixers.GDN_INPUTS_IN_KERNEL as well, the GDN kernel then
+    computes z, b and a itself. Switched off, add_rms_norm and a separate add run. Against the run switched off, each
+    run's prefill token is the same, and the next tokens' log-probabilities (the first decoded token's top 5 too)
+    agree within `tol` while both runs choose the same tokens."""
+    from roofline.kernels import blocks, dispatch, mixers
 
     residual_calls, run_residual = [], dispatch._int4_residual
     monkeypatch.setattr(dispatch, "_int4_residual", lambda weight, *a, **kw: residual_calls.append(
@@ -505,12 +505,13 @@ def check_dense_residuals(path, monkeypatch, device, dtype, tol, k=None, prompt=
     in_kernel = []
     deferred = spy_gdn_decode(monkeypatch, in_kernel)
     events = {}
-    for on in (True, False):
+    for on, inputs in ((True, False), (True, True), (False, False)):
         monkeypatch.setattr(blocks, "DENSE_RESIDUAL_IN_GEMVS", on)
+        monkeypatch.setattr(mixers, "GDN_INPUTS_IN_KERNEL", inputs)
         engine = Engine.from_pretrained(str(path), device=device, dtype=dtype, cuda_graphs=pooled, max_num_seqs=1,
                                         speculative=SpeculativeConfig(k) if k else None)
         cfg = engine.model.config
-        events[on] = greedy_events(engine, prompt, max_tokens)
+        events[on, inputs] = greedy_events(engine, prompt, max_tokens)
         if on and pooled:  # each step: each layer's out projection (K = its mixer's width) and down projection (K = I)
             widths = {cfg.num_attention_heads * cfg.head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim}
             assert set(residual_calls) == widths | {cfg.intermediate_size}
@@ -518,19 +519,21 @@ def check_dense_residuals(path, monkeypatch, device, dtype, tol, k=None, prompt=
             assert residual_calls.count(cfg.intermediate_size) * gdn_layers == len(deferred) * cfg.num_hidden_layers > 0
             assert all(d for d, _ in deferred), "the GDN kernel leaves its norm's rms to out_proj"
             assert not k or (k + 1) in {rows for _, rows in deferred}, "the verify steps take it too"
-            assert in_kernel and all(in_kernel), "and computes z, b and a itself (mixers.GDN_INPUTS_IN_KERNEL)"
+            assert in_kernel and all(in_kernel) == inputs and any(in_kernel) == inputs, \
+                "and computes z, b and a itself exactly where switched on"
         elif on:  # eager decode (no pool): the layer's add_rms_norm, then the down projection adds h
             assert set(residual_calls) == {cfg.intermediate_size} and not deferred
         else:
             assert not residual_calls and not any(d for d, _ in deferred), "off: add_rms_norm and the add"
-            assert bool(deferred) == pooled
-        assert not any(in_kernel) or (on and pooled), "z, b and a from their weights only where the norm is deferred"
+            assert bool(deferred) == pooled and not any(in_kernel)
         residual_calls.clear()
         deferred.clear()
         in_kernel.clear()
         del engine
-    assert events[True][0].token_id == events[False][0].token_id, "the prefill's token"
-    assert_same_logprobs(events[True], events[False], tol)
+    want = events[False, False]
+    for got in (events[True, False], events[True, True]):
+        assert got[0].token_id == want[0].token_id, "the prefill's token"
+        assert_same_logprobs(got, want, tol)
 
 
 @cpu

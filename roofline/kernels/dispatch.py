@@ -428,7 +428,7 @@ def _install_gdn_inputs_in_kernel(model: torch.nn.Module, installed: Counter) ->
         adds_residual = layer.norm_in_gemvs or (layer.residual_in_gemvs and DENSE_RESIDUAL_IN_GEMVS)
         why = gdn_inputs_blocker(gdn) if adds_residual else "the layer's out projection does not add its residual"
         if not GDN_INPUTS_IN_KERNEL or why:
-            apart[why or "ROOFLINE_GDN_INPUTS_IN_KERNEL=0"] += 1
+            apart[why or "off: ROOFLINE_GDN_INPUTS_IN_KERNEL=1 turns it on"] += 1
             continue
         qkv, z = gdn.in_proj_qkv, gdn.in_proj_z
         merged = gdn.merged["qkv_z"].merged is not None

@@ -46,8 +46,12 @@ def gdn_norm_in_out_proj(gdn: GatedDeltaNet) -> bool:
 # runs alone (the 122B's 12288 of 20480 columns), z's bytes stream while it runs, and no b/a GEMV runs beside it, so
 # the GDN kernel has no join. Needs in_proj_z symmetric INT4 of group 128 and in_proj_b, in_proj_a one 16-bit weight
 # (dispatch._install_gdn_inputs_in_kernel splits the merged in_proj_qkv+z at install; z keeps the GPTQ order).
-# ROOFLINE_GDN_INPUTS_IN_KERNEL=0 keeps the merged GEMV and b/a on the second stream. Read at install.
-GDN_INPUTS_IN_KERNEL = os.environ.get("ROOFLINE_GDN_INPUTS_IN_KERNEL", "1") != "0"
+# Opt-in (ROOFLINE_GDN_INPUTS_IN_KERNEL=1, read at install) until it is timed on a GPU: session 45 built it and no
+# device was lent; `benchmarks/experiments.sh inputs` is the A/B that decides the default (NOTES-kernels, session 45).
+_GDN_INPUTS = os.environ.get("ROOFLINE_GDN_INPUTS_IN_KERNEL", "0")
+if _GDN_INPUTS not in ("0", "1"):
+    raise ValueError(f"ROOFLINE_GDN_INPUTS_IN_KERNEL must be 0 or 1, got {_GDN_INPUTS!r}")
+GDN_INPUTS_IN_KERNEL = _GDN_INPUTS == "1"
 
 
 def gdn_inputs_blocker(gdn: GatedDeltaNet) -> str | None:
