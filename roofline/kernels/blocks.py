@@ -205,6 +205,13 @@ def mlp_forward(mlp: MLP, x: torch.Tensor, norm: NormOnLoad | None = None,
     return mlp.down_proj.residual_forward(act, residual.contiguous())[0]
 
 
+def out_proj_adds_residual(layer: DecoderLayer) -> bool:
+    """Whether the layer's pooled decode step hands its mixer the residual, for the out projection to add: the MoE
+    layer's `norm_in_gemvs`, or the dense layer's `residual_in_gemvs` while DENSE_RESIDUAL_IN_GEMVS (read here, at
+    call time)."""
+    return getattr(layer, "norm_in_gemvs", False) or (DENSE_RESIDUAL_IN_GEMVS and getattr(layer, "residual_in_gemvs", False))
+
+
 def layer_forward(layer: DecoderLayer, x: torch.Tensor, batch) -> torch.Tensor:
     """DecoderLayer.forward with the residual add and the second norm fused, and the MoE (or the dense layer's MLP,
     `residual_in_gemvs`) adding the residual."""
@@ -213,7 +220,7 @@ def layer_forward(layer: DecoderLayer, x: torch.Tensor, batch) -> torch.Tensor:
     mixer = layer.self_attn if layer.layer_type == "full_attention" else layer.linear_attn
     norm = layer.post_attention_layernorm
     dense_residual = DENSE_RESIDUAL_IN_GEMVS and getattr(layer, "residual_in_gemvs", False)
-    if isinstance(batch, SlotBatch) and (dense_residual or getattr(layer, "norm_in_gemvs", False)):
+    if isinstance(batch, SlotBatch) and out_proj_adds_residual(layer):
         h, sumsq = mixer.slot_step(layer.input_layernorm(x), batch, residual=x.contiguous())
         if dense_residual:
             return mlp_forward(layer.mlp, norm(h), residual=h)

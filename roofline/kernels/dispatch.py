@@ -309,7 +309,7 @@ def _install_merged_projections(model: torch.nn.Module, installed: Counter) -> N
 def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
     """Decoder layers, MoE blocks and MLPs with fewer launches for decode rows (blocks.py)."""
     from .blocks import (DENSE_RESIDUAL_IN_GEMVS, fused_router, layer_forward, mlp_forward, moe_forward, norm_in_gemvs,
-                         residual_in_gemvs)
+                         out_proj_adds_residual, residual_in_gemvs)
     from .int4_gemv import is_symmetric
     from .mixers import gdn_norm_in_out_proj
 
@@ -339,7 +339,7 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
                 installed["layer add + norm in out_proj's epilogue and the MoE GEMVs' prologues"] += 1
             if dense_residual:
                 installed["dense layer's residual adds in out_proj's and down_proj's epilogues"] += 1
-            if ((module.norm_in_gemvs or dense_residual) and module.layer_type != "full_attention"
+            if (out_proj_adds_residual(module) and module.layer_type != "full_attention"
                     and gdn_norm_in_out_proj(module.linear_attn)):
                 installed["GDN gated norm's rms in out_proj"] += 1
     if apart:
@@ -416,7 +416,7 @@ def _install_gdn_inputs_in_kernel(model: torch.nn.Module, installed: Counter) ->
     weights with storage of their own, one layer at a time (peak memory grows by one layer's copy): in_proj_qkv keeps
     the order it has, z goes back to the GPTQ order the GDN kernel reads (its prefill GEMM and dequantisation read
     that order too)."""
-    from .blocks import DENSE_RESIDUAL_IN_GEMVS
+    from .blocks import out_proj_adds_residual
     from .merge import Projections
     from .mixers import GDN_INPUTS_IN_KERNEL, gdn_inputs_blocker
 
@@ -425,8 +425,8 @@ def _install_gdn_inputs_in_kernel(model: torch.nn.Module, installed: Counter) ->
         if not isinstance(layer, DecoderLayer) or layer.layer_type == "full_attention":
             continue
         gdn = layer.linear_attn
-        adds_residual = layer.norm_in_gemvs or (layer.residual_in_gemvs and DENSE_RESIDUAL_IN_GEMVS)
-        why = gdn_inputs_blocker(gdn) if adds_residual else "the layer's out projection does not add its residual"
+        why = gdn_inputs_blocker(gdn) if out_proj_adds_residual(layer) else \
+            "the layer's out projection does not add its residual"
         if not GDN_INPUTS_IN_KERNEL or why:
             apart[why or "off: ROOFLINE_GDN_INPUTS_IN_KERNEL=1 turns it on"] += 1
             continue
