@@ -141,16 +141,13 @@ def _alone(projections, part: int):
     capture's warm-up): each part's block-repacked qweight is a contiguous view of the merged one already, its scales
     and zeros are copied (a z alone: ~0.4 MB a layer more, the bytes a token unchanged)."""
     import copy
-    from collections import OrderedDict
 
-    from roofline.kernels.dispatch import install_weight_kernel
+    from roofline.kernels.dispatch import install_part_alone
 
     made = projections.__dict__.setdefault("ab_step_parts", {})  # kept on the object: an id() could be reused
     if part not in made:
         w = copy.copy(projections.parts[part])
-        w._buffers = OrderedDict((k, v.contiguous()) for k, v in w._buffers.items())
-        w.__dict__.pop("forward", None)
-        install_weight_kernel(w)
+        install_part_alone(w, w.qweight.contiguous())
         made[part] = w
     return made[part]
 

@@ -401,9 +401,9 @@ def _block_int4_weights(model: torch.nn.Module, dtype: torch.dtype, installed: C
         installed["int4 weights block-repacked"] += count
 
 
-def _own_storage(weight: Int4Weight, qweight: torch.Tensor) -> None:
-    """A merged projection's part given tensors of its own (`qweight`, copies of its scales and zeros) and its own
-    decode kernel, so the merged whole can be freed."""
+def install_part_alone(weight: Int4Weight, qweight: torch.Tensor) -> None:
+    """A merged projection's part given `qweight`, copies of its scales and zeros, and a decode kernel of its own
+    (where `qweight` is a copy too, nothing of the merged whole stays referenced)."""
     weight._buffers = OrderedDict((k, qweight if k == "qweight" else v.clone(memory_format=torch.contiguous_format))
                                   for k, v in weight._buffers.items())
     weight.__dict__.pop("forward", None)
@@ -432,8 +432,8 @@ def _install_gdn_inputs_in_kernel(model: torch.nn.Module, installed: Counter) ->
             continue
         qkv, z = gdn.in_proj_qkv, gdn.in_proj_z
         merged = gdn.merged["qkv_z"].merged is not None
-        _own_storage(qkv, qkv.qweight.clone(memory_format=torch.contiguous_format))
-        _own_storage(z, unblock_qweight(z.qweight) if z.blocked else z.qweight.clone(memory_format=torch.contiguous_format))
+        install_part_alone(qkv, qkv.qweight.clone(memory_format=torch.contiguous_format))
+        install_part_alone(z, unblock_qweight(z.qweight) if z.blocked else z.qweight.clone(memory_format=torch.contiguous_format))
         z.blocked = False
         gdn.merged["qkv_z"] = Projections([qkv, z], install_weight_kernel, keep_apart="z computed in the GDN kernel")
         gdn.inputs_in_kernel = True
