@@ -128,112 +128,34 @@ _ORIGINALS: dict = {}  # (module, attribute) -> its value before the running var
 _PROJECTIONS_CALL = ("roofline.kernels.merge.Projections", "__call__")
 
 
-def _gdn_in_proj_parts(projections, x) -> bool:
-    """Whether `projections` is the GDN's merged in_proj_qkv+z (two INT4 parts) called for 1-4 rows."""
+def _qkv_alone(projections, x):
+    """For the GDN's merged in_proj_qkv+z at 1-4 rows: [in_proj_qkv's GEMV alone, a constant z]; else None. The
+    weight alone is made once, in the capture's warm-up: its block-repacked qweight is a contiguous view of the
+    merged one already, its scales and zeros are copied. It is kept on the Projections object (an id() of a freed
+    model's could be reused)."""
+    import copy
+    from collections import OrderedDict
+
+    from roofline.kernels.dispatch import install_weight_kernel
     from roofline.quant import Int4Weight
 
-    return len(projections.parts) == 2 and all(isinstance(p, Int4Weight) for p in projections.parts) \
-        and 1 <= x.shape[0] <= 4
-
-
-def _alone(projections, part: int):
-    """Part `part` of the merged in_proj_qkv+z as a weight of its own with its own decode kernel, made once (in the
-    capture's warm-up): each part's block-repacked qweight is a contiguous view of the merged one already, its scales
-    and zeros are copied (a z alone: ~0.4 MB a layer more, the bytes a token unchanged)."""
-    import copy
-
-    from roofline.kernels.dispatch import install_part_alone
-
-    made = projections.__dict__.setdefault("ab_step_parts", {})  # kept on the object: an id() could be reused
-    if part not in made:
-        w = copy.copy(projections.parts[part])
-        install_part_alone(w, w.qweight.contiguous())
-        made[part] = w
-    return made[part]
+    if len(projections.parts) != 2 or not all(isinstance(p, Int4Weight) for p in projections.parts) \
+            or not 1 <= x.shape[0] <= 4:
+        return None
+    if "ab_step_qkv" not in projections.__dict__:
+        w = copy.copy(projections.parts[0])
+        w._buffers = OrderedDict((k, v.contiguous()) for k, v in w._buffers.items())
+        w.__dict__.pop("forward", None)
+        install_weight_kernel(w)
+        projections.ab_step_qkv = w
+    return [projections.ab_step_qkv(x), _constant_zeros("z", x, projections.sizes[1])]
 
 
 def _no_z(projections, x):
     """merge.Projections.__call__ for `timing-no-z`: the GDN's in_proj_qkv GEMV alone and a constant z: what z's 8192
     columns cost the step. Other projections as they are."""
-    if not _gdn_in_proj_parts(projections, x):
-        return _ORIGINALS[_PROJECTIONS_CALL](projections, x)
-    return [_alone(projections, 0)(x), _constant_zeros("z", x, projections.sizes[1])]
-
-
-def _z_beside_b_a(projections, x):
-    """merge.Projections.__call__ for `z-beside-b-a`: at one row, the GDN's z GEMV on the second stream after the b/a
-    GEMV (mixers.gdn_slot_step forked it there just before), in_proj_qkv's alone on the main stream; the GDN kernel's
-    join on the second stream then waits for z too. Real outputs; other calls as they are."""
-    import torch
-
-    from roofline.kernels._common import counter_space, second_stream
-
-    side = second_stream(x.device)
-    if side is None or x.shape[0] != 1 or not _gdn_in_proj_parts(projections, x):
-        return _ORIGINALS[_PROJECTIONS_CALL](projections, x)
-    with torch.cuda.stream(side), counter_space("second stream"):
-        z = _alone(projections, 1)(x)
-    return [_alone(projections, 0)(x), z]
-
-
-class _ZFromWeight:
-    """What `gdn-z-in-kernel`'s projections return in z's place: the input and z's weight, for the GDN kernel."""
-
-    def __init__(self, x, qweight, scales):
-        self.z_weight = (x, qweight, scales)
-
-
-def _z_in_kernel_projections(projections, x):
-    """merge.Projections.__call__ for `gdn-z-in-kernel`: the GDN's in_proj_qkv GEMV alone, and z left to the GDN kernel
-    (its programs' dots from x and z's symmetric INT4 weight in GPTQ order, before their PDL wait). Other calls as
-    they are."""
-    from roofline.kernels.int4_gemv import is_symmetric
-    from roofline.quant.int4 import unblock_qweight
-
-    if not _gdn_in_proj_parts(projections, x):
-        return _ORIGINALS[_PROJECTIONS_CALL](projections, x)
-    if "ab_step_z_gptq" not in projections.__dict__:  # z's (qweight in GPTQ order, scales), made once
-        z = _alone(projections, 1)
-        if not is_symmetric(z.qzeros) or z.group_size != 128:
-            raise SystemExit("gdn-z-in-kernel needs z's INT4 weight symmetric with groups of 128")
-        projections.ab_step_z_gptq = (unblock_qweight(z.qweight) if z.blocked else z.qweight.contiguous(), z.scales)
-    return [_alone(projections, 0)(x), _ZFromWeight(x, *projections.ab_step_z_gptq)]
-
-
-class _BAFromWeight:
-    """What `gdn-zba-in-kernel`'s b/a projection returns in b's and a's place: their merged 16-bit weight."""
-
-    def __init__(self, weight):
-        self.weight = weight
-
-
-def _b_a_in_kernel(device, fn, x):
-    """mixers.beside for `gdn-zba-in-kernel`: no b/a GEMV on the second stream and no join; the GDN kernel computes
-    b and a from their merged 16-bit weight [2 Hv, K] (b's rows, then a's). Where that weight is not one dense
-    16-bit tensor, as before."""
-    from roofline.quant import DenseWeight
-
-    merged = fn.merged
-    if not isinstance(merged, DenseWeight) or merged.weight.dtype != x.dtype or not 1 <= x.shape[0] <= 4:
-        return _ORIGINALS[("roofline.kernels.mixers", "beside")](device, fn, x)
-    marker = _BAFromWeight(merged.weight.contiguous())
-    return (marker, marker), lambda: None
-
-
-def _gdn_decode_z_in_kernel(qkv, z, b, a, *args, **kwargs):
-    """mixers.gdn_decode for `gdn-z-in-kernel` and `gdn-zba-in-kernel`: z (and b, a) from their weights inside the
-    kernel where the projections left them so."""
-    from roofline.kernels.gdn_decode import gdn_decode
-
-    if isinstance(b, _BAFromWeight) and not isinstance(z, _ZFromWeight):
-        raise SystemExit("gdn-zba-in-kernel: b and a were left to the GDN kernel but z was not (its x)")
-    if isinstance(z, _ZFromWeight):
-        if not kwargs.get("defer_norm"):
-            raise SystemExit("gdn-z-in-kernel needs the GDN's deferred norm (mixers.gdn_norm_in_out_proj)")
-        if isinstance(b, _BAFromWeight):
-            kwargs["ba_weight"], b, a = b.weight, None, None
-        return gdn_decode(qkv, None, b, a, *args, z_weight=z.z_weight, **kwargs)
-    return gdn_decode(qkv, z, b, a, *args, **kwargs)
+    out = _qkv_alone(projections, x)
+    return _ORIGINALS[_PROJECTIONS_CALL](projections, x) if out is None else out
 
 
 def _no_embedding(text_model, input_ids):
@@ -308,26 +230,10 @@ VARIANTS = {
     # session 38, timing only: the GDN's z projection (8192 of in_proj_qkv+z's 20480 columns, read only by the GDN
     # kernel's output gate) not computed, in_proj_qkv alone on the main stream: what z's GEMV costs the step. Its GEMV
     # on the second stream instead (joined before the out projection), launched beside in_proj_qkv or after it
-    # (beside the GDN kernel), lost at M = 3 and won at most 0.048 ms at one token: removed (NOTES-kernels, session 38)
+    # (beside the GDN kernel), lost at M = 3 and won at most 0.048 ms at one token: removed (NOTES-kernels, session 38).
+    # Session 44's real-output versions, H100 (session 46): z's GEMV on the second stream after b/a +0.020 / +0.009 ms
+    # at M = 1 / 3; the GDN kernel computing z (or z, b and a) from z's INT4 weight +2.3 / +16.6 ms: all removed
     "timing-no-z": _timing_only("constant z", (*_PROJECTIONS_CALL, _no_z)),
-    # session 44: z's GEMV on the second stream after b/a at one row, the GDN kernel joining both (real outputs; M > 1
-    # unchanged, a control). Session 38's stand-ins joined z before the out projection instead (the GDN kernel read a
-    # constant z) and won at most 0.048 ms at one token
-    "z-beside-b-a": (f"{'.'.join(_PROJECTIONS_CALL)}=z's GEMV on the second stream at one row",
-                     [(*_PROJECTIONS_CALL, _z_beside_b_a)]),
-    # session 44: each GDN program computes its own z columns from the layer's normed input and z's INT4 weight
-    # before its PDL wait (overlapping in_proj_qkv's GEMV), instead of the merged in_proj_qkv+z GEMV reading them.
-    # Real outputs (interpreter tests: tests/test_kernels.py -k z_from_its_weight); z's weight copied into GPTQ order
-    "gdn-z-in-kernel": (f"{'.'.join(_PROJECTIONS_CALL)}=in_proj_qkv alone, z in the GDN kernel", [
-        (*_PROJECTIONS_CALL, _z_in_kernel_projections),
-        ("roofline.kernels.mixers", "gdn_decode", _gdn_decode_z_in_kernel)]),
-    # the same, and b, a in the GDN kernel too (each program its head's two dots over the same input): no b/a GEMV on
-    # the second stream, so the GDN kernel joins nothing and keeps its programmatic launch from in_proj_qkv, which
-    # its z loads before the wait need (session 26: the join made it a full graph dependency)
-    "gdn-zba-in-kernel": (f"{'.'.join(_PROJECTIONS_CALL)}=in_proj_qkv alone, z, b and a in the GDN kernel", [
-        (*_PROJECTIONS_CALL, _z_in_kernel_projections),
-        ("roofline.kernels.mixers", "beside", _b_a_in_kernel),
-        ("roofline.kernels.mixers", "gdn_decode", _gdn_decode_z_in_kernel)]),
     # session 39, timing only: the step's embedding gather (its first kernel, PyTorch's; in the profile ~6 us idle
     # follow it), and the shared expert's silu_mul launch. H100, 122B: +0.002 / -0.002 ms and -0.001 / -0.018 at
     # M = 1 / 3, so a Triton gather under PDL (-0.004 / -0.002 in the same A/B) was not kept (NOTES-kernels, session 39)
@@ -367,11 +273,6 @@ VARIANTS = {
     "one-stream": ("ROOFLINE_SECOND_STREAM=0", [("roofline.kernels._common", "SECOND_STREAM", False)]),
     "no-pdl": ("ROOFLINE_PDL=0", [("roofline.kernels._common", "PDL_ENABLED", False)]),
 }
-
-
-# the variants that replace calls of the GDN's merged in_proj_qkv+z or its b/a GEMV, so they change nothing where the
-# GDN kernel computes z, b and a itself (mixers.GDN_INPUTS_IN_KERNEL)
-_MERGED_IN_PROJ_VARIANTS = {"timing-no-b-a", "timing-no-z", "z-beside-b-a", "gdn-z-in-kernel", "gdn-zba-in-kernel"}
 
 
 @contextlib.contextmanager
@@ -429,11 +330,6 @@ def run_ab(shape: str, variants: list[str], rounds: int, repeats: int, layers: i
     from roofline.kernels._common import next_pow2
 
     names = ["default"] + list(variants)
-    from roofline.kernels import mixers
-
-    if mixers.GDN_INPUTS_IN_KERNEL and set(variants) & _MERGED_IN_PROJ_VARIANTS:
-        raise SystemExit(f"{', '.join(sorted(set(variants) & _MERGED_IN_PROJ_VARIANTS))} replace the merged "
-                         "in_proj_qkv+z and b/a GEMVs, which ROOFLINE_GDN_INPUTS_IN_KERNEL=1 does not run")
     for name in names:
         with variant(name):  # an unknown name or a renamed flag fails here, before the model is built
             pass

@@ -28,11 +28,6 @@
 #   OUT=... bash benchmarks/experiments.sh floor    # what a kernel costs in a captured PDL chain before any math:
 #                                                   # empty, one arrival round or atomic adds, pure streaming 2-32 MB,
 #                                                   # and (session 20) the whole share loaded before the wait (~2 min)
-#   OUT=... bash benchmarks/experiments.sh z        # the GDN kernel computing z (and b, a) itself and z's GEMV on
-#                                                   # the second stream (session 44): ab_step, then their GPU tests
-#                                                   # (~8 min)
-#   OUT=... bash benchmarks/experiments.sh inputs   # the GDN kernel computing z, b and a (opt-in) against the merged
-#                                                   # GEMVs, alternating processes, then their GPU test (~6 min)
 #   OUT=... bash benchmarks/experiments.sh ab       # in one process on one 122B build (benchmarks/ab_step.py), 3
 #                                                   # alternating rounds of the M = 1 and M = 3 (verify) graphs: the
 #                                                   # default against session 17's router and INT4 configs (session
@@ -148,25 +143,6 @@ case "${1:-}" in
         --context 32768 --out "$OUT/ab-splits-$shape-32k.json" 2>&1 | tail -3
     done
     ;;
-  z)  # session 44's z experiments (NOTES-kernels, "Session 44"): the GDN kernel computing z (and b, a) itself, and z's
-    # GEMV on the second stream. One ab_step process on the 122B first, with timing-no-z (z free) as the bound; then
-    # their GPU tests (the kernel against the reference, the step's logits against the default's), which a call cut
-    # at 10 minutes loses first (the second builds the 122B's first two layers six times), ~8 min
-    timeout 240 python3 benchmarks/ab_step.py --variants z-beside-b-a,gdn-z-in-kernel,gdn-zba-in-kernel,timing-no-z \
-      --rounds 3 --out "$OUT/ab-step-z-122b.json" 2>&1 | tail -12
-    gpu_tests 120 tests/test_kernels.py -m gpu -k z_from_its_weight
-    gpu_tests 200 tests/test_bench_synthetic.py -m gpu -k real_outputs
-    ;;
-  inputs)  # the engine with the GDN kernel computing z, b and a (ROOFLINE_GDN_INPUTS_IN_KERNEL=1, opt-in) against
-    # the merged in_proj_qkv+z and the b/a GEMV (the default), ab_step's default in alternating processes ABBA (it is
-    # chosen at install), then the GPU test of both paths' outputs (~6 min)
-    for on in 0 1 1 0; do
-      echo "== ROOFLINE_GDN_INPUTS_IN_KERNEL=$on"
-      ROOFLINE_GDN_INPUTS_IN_KERNEL=$on timeout 120 python3 benchmarks/ab_step.py --variants "" --rounds 3 \
-        --out "$OUT/ab-inputs-$on-$(date +%H%M%S).json" 2>&1 | tail -3
-    done
-    gpu_tests 120 tests/test_bench_synthetic.py -m gpu -k gdn_inputs_in_kernel
-    ;;
   ab)  # predictions in NOTES-kernels "Session 17"; the JSON has every round
     timeout 300 python3 benchmarks/ab_step.py --variants router-split,int4-split-verify,router-two-rows --rounds 3 2>&1 \
       | tail -30
@@ -204,7 +180,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|pool|splits|z|inputs|ab|trees|trees-ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|pool|splits|ab|trees|trees-ab|ab-order" >&2
     exit 2
     ;;
 esac

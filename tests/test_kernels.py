@@ -780,40 +780,20 @@ def test_gdn_decode_gpu(bsz, block_v):
     check_gdn(bsz, 16, 64, 128, 128, torch.bfloat16, GPU, block_v)
 
 
-def z_from_int4(n, k, width, dtype, device):
-    """(x [n, k], qweight, scales, z = x @ W) for a random symmetric INT4 weight W [width, k] in GPTQ order."""
-    from roofline.quant.int4 import quantize_int4, unpack_rows
-
-    q = quantize_int4(torch.randn(width, k) * 0.05, 128, sym=True)
-    w = (unpack_rows(q["qweight"]) - 8).float() * q["scales"].float().repeat_interleave(128, 0)  # [k, width]
-    x = torch.randn(n, k).to(dtype)
-    z = (x.float() @ w).to(dtype)
-    return x.to(device), q["qweight"].to(device), q["scales"].to(device), z.to(device)
-
-
-def check_gdn_defer_norm(bsz, hk, hv, dk, dv, dtype, device, block_v=None, tol=1e-2, m=1, z_k=0, ba=False):
+def check_gdn_defer_norm(bsz, hk, hv, dk, dv, dtype, device, block_v=None, tol=1e-2, m=1):
     """defer_norm: the kernel's w * o * silu(z) and per-block sums of o^2 are the reference's; finished (times each
     row's head rstd) they are the gated norm's output within its roundings; state and ring as without. m tokens a
-    sequence (a verify step). z_k > 0: the kernel computes z itself from a z_k-long input and an INT4 weight
-    (z_weight), the reference takes that product; `ba`: b and a too, from the same input and a 16-bit weight."""
+    sequence (a verify step)."""
     args, c = gdn_inputs(bsz, hk, hv, dk, dv, dtype, device)
     n = bsz * m
     args.update(z=torch.randn(n, hv * dv, device=device).to(dtype), b=torch.randn(n, hv, device=device).to(dtype),
                 a=torch.randn(n, hv, device=device).to(dtype))
-    kernel_args = {}
-    if z_k:
-        x, qweight, scales, args["z"] = z_from_int4(n, z_k, hv * dv, dtype, device)
-        kernel_args = {"z": None, "z_weight": (x, qweight, scales)}
-        if ba:
-            w = (torch.randn(2 * hv, z_k) * 0.1).to(dtype).to(device)
-            args["b"], args["a"] = (x.float() @ w.float().t()).to(dtype).split(hv, dim=-1)
-            kernel_args.update(b=None, a=None, ba_weight=w)
     ref_args = {k: v.clone() for k, v in args.items()}
     normed_args = {k: v.clone() for k, v in args.items()}
     qkv = torch.randn(n, c, device=device).to(dtype)
     positions = step_positions([3 * i for i in range(bsz)], m, device)
     y, parts = gdn_decode(qkv, num_k_heads=hk, positions=positions, block_v=block_v, defer_norm=True,
-                          tokens_per_seq=m, **{**args, **kernel_args})
+                          tokens_per_seq=m, **args)
     ref, ref_parts = gdn_decode_reference(qkv, num_k_heads=hk, positions=positions, defer_norm=True, tokens_per_seq=m,
                                           **ref_args)
     normed = gdn_decode_reference(qkv, num_k_heads=hk, positions=positions, tokens_per_seq=m, **normed_args)
@@ -842,48 +822,6 @@ def test_gdn_decode_defer_norm_interpreter(bsz, hk, hv, dk, dv, dtype, block_v, 
 @pytest.mark.parametrize("block_v,m", [(16, 1), (32, 1), (32, 3)])
 def test_gdn_decode_defer_norm_gpu(block_v, m):
     check_gdn_defer_norm(1, 16, 64, 128, 128, torch.bfloat16, GPU, block_v, m=m)
-
-
-@cpu
-@pytest.mark.parametrize("bsz,hk,hv,dk,dv,dtype,block_v,m,z_k,ba", [
-    (1, 2, 4, 16, 16, torch.float32, 8, 1, 256, False),  # two groups: fewer than the four buffers the loads fill ahead
-    (2, 1, 3, 12, 24, torch.float16, 16, 1, 256, True),  # dv not a multiple of the block: the last z columns masked
-    (2, 2, 4, 16, 16, torch.float32, 8, 3, 768, False),  # a verify step (each token's own row); six groups: buffers reused
-    (1, 2, 4, 16, 16, torch.float32, 8, 3, 768, True),
-])
-def test_gdn_decode_computes_z_from_its_weight_interpreter(bsz, hk, hv, dk, dv, dtype, block_v, m, z_k, ba):
-    check_gdn_defer_norm(bsz, hk, hv, dk, dv, dtype, "cpu", block_v, tol=2e-3, m=m, z_k=z_k, ba=ba)
-
-
-@gpu
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("ba", [False, True])
-def test_gdn_decode_computes_z_from_its_weight_gpu(m, ba):
-    check_gdn_defer_norm(1, 16, 64, 128, 128, torch.bfloat16, GPU, m=m, z_k=3072, ba=ba)
-
-
-def test_gdn_decode_z_weight_rules():
-    """z_weight replaces z and needs the deferred norm; its tensors' shapes are checked by name."""
-    args, c = gdn_inputs(1, 1, 2, 8, 16, torch.float32, "cpu")
-    x, qweight, scales, _ = z_from_int4(1, 128, 32, torch.float32, "cpu")
-    qkv = torch.randn(1, c)
-    call = dict(num_k_heads=1, positions=step_positions([0], 1, "cpu"))
-    with pytest.raises(ValueError, match="needs defer_norm"):
-        gdn_decode(qkv, **{**args, "z": None}, z_weight=(x, qweight, scales), **call)
-    with pytest.raises(ValueError, match="replaces z"):
-        gdn_decode(qkv, **args, z_weight=(x, qweight, scales), defer_norm=True, **call)
-    with pytest.raises(ValueError, match="qweight must be contiguous int32"):
-        gdn_decode(qkv, **{**args, "z": None}, z_weight=(x, qweight[:, :16], scales), defer_norm=True, **call)
-    with pytest.raises(ValueError, match="needs z, or z_weight"):
-        gdn_decode(qkv, **{**args, "z": None}, **call)
-    w = torch.randn(4, 128)
-    with pytest.raises(ValueError, match="ba_weight replaces b and a"):
-        gdn_decode(qkv, **{**args, "z": None}, z_weight=(x, qweight, scales), defer_norm=True, ba_weight=w, **call)
-    with pytest.raises(ValueError, match=r"ba_weight must be a contiguous \[4, 128\]"):
-        gdn_decode(qkv, **{**args, "z": None, "b": None, "a": None}, z_weight=(x, qweight, scales), defer_norm=True,
-                   ba_weight=w[:2], **call)
-    with pytest.raises(ValueError, match="needs b and a"):
-        gdn_decode(qkv, **{**args, "b": None}, **call)
 
 
 def check_head_norm(m, k, dv, nvb, dtype, device, config=None, tol=1e-2):

@@ -296,22 +296,13 @@ def test_cuda_graph_greedy_tokens_equal_reference(checkpoint, k):
     assert captures() == made > 0, "no step waited for a capture"
 
 
-def spy_gdn_decode(monkeypatch, inputs: list | None = None) -> list:
-    """Record (defer_norm, tokens_per_seq) of every mixers.gdn_decode call, which still runs; into `inputs` whether
-    the call left z, b and a to the kernel (z_weight and ba_weight given, z, b and a None)."""
+def spy_gdn_decode(monkeypatch) -> list:
+    """Record (defer_norm, tokens_per_seq) of every mixers.gdn_decode call, which still runs."""
     from roofline.kernels import mixers
 
     calls, run_gdn = [], mixers.gdn_decode
-
-    def spy(qkv, z, b, a, *args, **kw):
-        calls.append((kw["defer_norm"], kw["tokens_per_seq"]))
-        if inputs is not None:
-            from_weights = kw.get("z_weight") is not None and kw.get("ba_weight") is not None
-            assert from_weights == (z is None and b is None and a is None)
-            inputs.append(from_weights)
-        return run_gdn(qkv, z, b, a, *args, **kw)
-
-    monkeypatch.setattr(mixers, "gdn_decode", spy)
+    monkeypatch.setattr(mixers, "gdn_decode", lambda *a, **kw: calls.append(
+        (kw["defer_norm"], kw["tokens_per_seq"])) or run_gdn(*a, **kw))
     return calls
 
 
@@ -338,34 +329,25 @@ def assert_same_logprobs(got: list, want: list, tol: float) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [None, 2])
-@pytest.mark.parametrize("flag", ["GDN_NORM_IN_OUT_PROJ", "GDN_INPUTS_IN_KERNEL"])
-def test_gdn_norm_and_inputs_in_kernel_keep_the_tokens_logprobs_gpu(tmp_path, monkeypatch, flag, k):
+def test_gdn_norm_in_out_proj_keeps_the_tokens_logprobs_gpu(tmp_path, monkeypatch, k):
     """bf16, INT4, GDN heads of 128 values (the published models'): with the GDN step leaving its gated norm's rms
-    to the out projection (mixers.GDN_NORM_IN_OUT_PROJ, taken here; with MTP-2 also by the 3-row verify steps), or on
-    top of that computing z, b and a in the GDN kernel (mixers.GDN_INPUTS_IN_KERNEL), the first decoded token (after
-    the prefill's) and its top log-probabilities are those of the step without, within bf16's roundings, and so is
-    each later token's log-probability while both agree. One change at a time."""
+    to the out projection (mixers.GDN_NORM_IN_OUT_PROJ, taken here; with MTP-2 also by the 3-row verify steps) the
+    first decoded token (after the prefill's) and its top log-probabilities are those of the step with the norm in
+    the GDN kernel, within bf16's roundings, and so is each later token's log-probability while both agree."""
     from roofline.kernels import mixers
 
     path = write_random_checkpoint(tmp_path / "dv128", seed=3, plan=INT4_PLAN, linear_value_head_dim=128)
-    in_kernel = []
-    calls = spy_gdn_decode(monkeypatch, in_kernel)
+    calls = spy_gdn_decode(monkeypatch)
     events = {}
-    for on in (True, False):
-        monkeypatch.setattr(mixers, flag, on)
-        if flag == "GDN_NORM_IN_OUT_PROJ":
-            monkeypatch.setattr(mixers, "GDN_INPUTS_IN_KERNEL", False)
+    for defer in (True, False):
+        monkeypatch.setattr(mixers, "GDN_NORM_IN_OUT_PROJ", defer)
         engine = Engine.from_pretrained(str(path), device="cuda", dtype="bfloat16", cuda_graphs=True, max_num_seqs=1,
                                         speculative=SpeculativeConfig(k) if k else None)
-        events[on] = greedy_events(engine, PROMPTS[0], 8)
+        events[defer] = greedy_events(engine, PROMPTS[0], 8)
         deferred_rows = {rows for deferred, rows in calls if deferred}
-        deferred = on or flag == "GDN_INPUTS_IN_KERNEL"
-        assert (k or 0) + 1 in deferred_rows if deferred else not deferred_rows, \
+        assert (k or 0) + 1 in deferred_rows if defer else not deferred_rows, \
             "the deferred norm runs exactly when switched on, in the verify steps too"
-        from_weights = on and flag == "GDN_INPUTS_IN_KERNEL"
-        assert in_kernel and all(in_kernel) == from_weights and any(in_kernel) == from_weights
         calls.clear()
-        in_kernel.clear()
         del engine
     assert events[True][0] == events[False][0], "the prefill's token: the same path"
     assert_same_logprobs(events[True], events[False], 0.06)
@@ -493,25 +475,22 @@ def test_freeze_startup_heap_puts_what_start_built_out_of_the_collectors_reach()
 def check_dense_residuals(path, monkeypatch, device, dtype, tol, k=None, prompt=(5,), max_tokens=2, pooled=True):
     """With blocks.DENSE_RESIDUAL_IN_GEMVS the dense model's down projections add h in their epilogues, and on the
     pooled step (`pooled`: the engine with CUDA graphs) its out projections add the layer's input (finishing the GDN's
-    gated norm), in every step (the verify's too); with mixers.GDN_INPUTS_IN_KERNEL as well, the GDN kernel then
-    computes z, b and a itself. Switched off, add_rms_norm and a separate add run. Against the run switched off, each
-    run's prefill token is the same, and the next tokens' log-probabilities (the first decoded token's top 5 too)
-    agree within `tol` while both runs choose the same tokens."""
-    from roofline.kernels import blocks, dispatch, mixers
+    gated norm), in every step (the verify's too); switched off, add_rms_norm and a separate add run. The prefill's
+    token is the same, and the next tokens' log-probabilities (the first decoded token's top 5 too) agree within `tol`
+    while both runs choose the same tokens."""
+    from roofline.kernels import blocks, dispatch
 
     residual_calls, run_residual = [], dispatch._int4_residual
     monkeypatch.setattr(dispatch, "_int4_residual", lambda weight, *a, **kw: residual_calls.append(
         weight.in_features) or run_residual(weight, *a, **kw))  # bound per weight at install: patched before it
-    in_kernel = []
-    deferred = spy_gdn_decode(monkeypatch, in_kernel)
+    deferred = spy_gdn_decode(monkeypatch)
     events = {}
-    for on, inputs in ((True, False), (True, True), (False, False)):
+    for on in (True, False):
         monkeypatch.setattr(blocks, "DENSE_RESIDUAL_IN_GEMVS", on)
-        monkeypatch.setattr(mixers, "GDN_INPUTS_IN_KERNEL", inputs)
         engine = Engine.from_pretrained(str(path), device=device, dtype=dtype, cuda_graphs=pooled, max_num_seqs=1,
                                         speculative=SpeculativeConfig(k) if k else None)
         cfg = engine.model.config
-        events[on, inputs] = greedy_events(engine, prompt, max_tokens)
+        events[on] = greedy_events(engine, prompt, max_tokens)
         if on and pooled:  # each step: each layer's out projection (K = its mixer's width) and down projection (K = I)
             widths = {cfg.num_attention_heads * cfg.head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim}
             assert set(residual_calls) == widths | {cfg.intermediate_size}
@@ -519,21 +498,16 @@ def check_dense_residuals(path, monkeypatch, device, dtype, tol, k=None, prompt=
             assert residual_calls.count(cfg.intermediate_size) * gdn_layers == len(deferred) * cfg.num_hidden_layers > 0
             assert all(d for d, _ in deferred), "the GDN kernel leaves its norm's rms to out_proj"
             assert not k or (k + 1) in {rows for _, rows in deferred}, "the verify steps take it too"
-            assert in_kernel and all(in_kernel) == inputs and any(in_kernel) == inputs, \
-                "and computes z, b and a itself exactly where switched on"
         elif on:  # eager decode (no pool): the layer's add_rms_norm, then the down projection adds h
             assert set(residual_calls) == {cfg.intermediate_size} and not deferred
         else:
             assert not residual_calls and not any(d for d, _ in deferred), "off: add_rms_norm and the add"
-            assert bool(deferred) == pooled and not any(in_kernel)
+            assert bool(deferred) == pooled
         residual_calls.clear()
         deferred.clear()
-        in_kernel.clear()
         del engine
-    want = events[False, False]
-    for got in (events[True, False], events[True, True]):
-        assert got[0].token_id == want[0].token_id, "the prefill's token"
-        assert_same_logprobs(got, want, tol)
+    assert events[True][0].token_id == events[False][0].token_id, "the prefill's token"
+    assert_same_logprobs(events[True], events[False], tol)
 
 
 @cpu

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..model.layers import MLP, DecoderLayer, Experts, GatedAttention, GatedDeltaNet, RMSNorm, SparseMoE
 from ..errors import UserError
 from ..quant import DenseWeight, Fp8BlockWeight, Int4Weight, LinearWeight
-from ..quant.int4 import block_qweight, blocked_columns, unblock_qweight
+from ..quant.int4 import block_qweight, blocked_columns
 from ..quant.int8 import Int8RowWeight
 
 log = logging.getLogger("roofline.kernels")
@@ -401,52 +401,6 @@ def _block_int4_weights(model: torch.nn.Module, dtype: torch.dtype, installed: C
         installed["int4 weights block-repacked"] += count
 
 
-def install_part_alone(weight: Int4Weight, qweight: torch.Tensor) -> None:
-    """A merged projection's part given `qweight`, copies of its scales and zeros, and a decode kernel of its own
-    (where `qweight` is a copy too, nothing of the merged whole stays referenced)."""
-    weight._buffers = OrderedDict((k, qweight if k == "qweight" else v.clone(memory_format=torch.contiguous_format))
-                                  for k, v in weight._buffers.items())
-    weight.__dict__.pop("forward", None)
-    install_weight_kernel(weight)
-
-
-def _install_gdn_inputs_in_kernel(model: torch.nn.Module, installed: Counter) -> None:
-    """mixers.GDN_INPUTS_IN_KERNEL: where a GDN layer's decode step passes its out projection the residual (so the GDN
-    kernel defers its norm) and `gdn_inputs_blocker` finds nothing, its merged in_proj_qkv+z is split back into two
-    weights with storage of their own, one layer at a time (peak memory grows by one layer's copy): in_proj_qkv keeps
-    the order it has, z goes back to the GPTQ order the GDN kernel reads (its prefill GEMM and dequantisation read
-    that order too)."""
-    from .blocks import out_proj_adds_residual
-    from .merge import Projections
-    from .mixers import GDN_INPUTS_IN_KERNEL, gdn_inputs_blocker
-
-    apart = Counter()
-    for layer in model.modules():
-        if not isinstance(layer, DecoderLayer) or layer.layer_type == "full_attention":
-            continue
-        gdn = layer.linear_attn
-        why = gdn_inputs_blocker(gdn) if out_proj_adds_residual(layer) else \
-            "the layer's out projection does not add its residual"
-        if not GDN_INPUTS_IN_KERNEL or why:
-            apart[why or "off: ROOFLINE_GDN_INPUTS_IN_KERNEL=1 turns it on"] += 1
-            continue
-        qkv, z = gdn.in_proj_qkv, gdn.in_proj_z
-        merged = gdn.merged["qkv_z"].merged is not None
-        install_part_alone(qkv, qkv.qweight.clone(memory_format=torch.contiguous_format))
-        install_part_alone(z, unblock_qweight(z.qweight) if z.blocked else z.qweight.clone(memory_format=torch.contiguous_format))
-        z.blocked = False
-        gdn.merged["qkv_z"] = Projections([qkv, z], install_weight_kernel, keep_apart="z computed in the GDN kernel")
-        gdn.inputs_in_kernel = True
-        installed["GDN z, b and a computed in the GDN kernel"] += 1
-        if merged:
-            installed["merged in_proj_qkv+in_proj_z"] -= 1
-    if not installed["merged in_proj_qkv+in_proj_z"]:
-        installed.pop("merged in_proj_qkv+in_proj_z", None)
-    if apart:
-        log.info("GDN layers whose z, b and a run as GEMVs before the GDN kernel: %s",
-                 ", ".join(f"{n} ({why})" for why, n in apart.items()))
-
-
 def block_int4_wanted() -> tuple[bool, str]:
     """(whether to block-repack the INT4 qweights, why): `QBLK_ENV` when set, else on."""
     forced = os.environ.get(QBLK_ENV)
@@ -504,7 +458,6 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
             installed["decode attention"] += 1
         elif isinstance(module, GatedDeltaNet):
             module.slot_step = partial(gdn_slot_step, module)
-            module.inputs_in_kernel = False  # until _install_gdn_inputs_in_kernel
             installed["gdn decode"] += 1
             if fla:
                 module.recurrence = partial(fla_chunked_recurrence, module)
@@ -522,7 +475,6 @@ def install_fast_path(model: torch.nn.Module, allow_cpu: bool = False) -> FastPa
                  "(16-bit activations, group 128, K and N multiples of 128)")
     if FUSED_SMALL_OPS:
         _install_blocks(model, installed)
-        _install_gdn_inputs_in_kernel(model, installed)
     if installed["int4"] or installed["int4 experts"]:
         from .int4_tc import INT4_DEPTH, NO_SPLIT_MAX_ROWS, NO_SPLIT_MIN_N, WIDE_TILES
 

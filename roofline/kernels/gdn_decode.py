@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from ..engine.cache import step_record_size
-from ._common import (INTERPRET, arrive, counters_for, next_pow2, pdl_options, pick, reset, rows_in_place,
+from ._common import (INTERPRET, arrive, counters_for, next_pow2, pdl_options, reset, rows_in_place,
                       wait_for_inputs)
 
 MAX_TOKENS = 5  # tokens per sequence in one step (1 decode token + up to 4 MTP drafts)
@@ -82,41 +82,6 @@ def _check_inputs(bsz, m, conv_state, conv_weight, positions, state, num_k_heads
         want = (bsz, m - 1, step_record_size(num_k_heads, dk, hv, dv))
         if tuple(step_records.shape) != want or step_records.dtype != torch.float32 or not step_records.is_contiguous():
             raise ValueError(f"step_records must be contiguous fp32 {list(want)}, got {list(step_records.shape)}")
-
-
-def _check_z_weight(z_weight, z, defer_norm: bool, n: int, width: int) -> tuple:
-    """gdn_decode's z_weight checked against its rules -> (x, qweight, scales), or Nones without it."""
-    if z_weight is None:
-        if z is None:
-            raise ValueError("gdn_decode needs z, or z_weight to compute it")
-        return None, None, None
-    if z is not None or not defer_norm:
-        raise ValueError("z_weight replaces z (pass z=None) and needs defer_norm")
-    x, qweight, scales = z_weight
-    k = x.shape[-1]
-    if x.shape != (n, k) or k % 128:
-        raise ValueError(f"z_weight's x must be [{n}, K] with K a multiple of 128, got {list(x.shape)}")
-    if qweight.dtype != torch.int32 or qweight.shape != (k // 8, width) or not qweight.is_contiguous():
-        raise ValueError(f"z_weight's qweight must be contiguous int32 [{k // 8}, {width}] (GPTQ order), got "
-                         f"{qweight.dtype} {list(qweight.shape)}")
-    if scales.shape != (k // 128, width) or not scales.is_contiguous():
-        raise ValueError(f"z_weight's scales must be contiguous [{k // 128}, {width}], got {list(scales.shape)}")
-    return z_weight
-
-
-def _check_ba_weight(ba_weight, z_weight, b, a, hv: int) -> None:
-    """gdn_decode's ba_weight against its rules."""
-    if ba_weight is None:
-        if b is None or a is None:
-            raise ValueError("gdn_decode needs b and a, or ba_weight (with z_weight) to compute them")
-        return
-    if z_weight is None or b is not None or a is not None:
-        raise ValueError("ba_weight replaces b and a (pass None) and needs z_weight (its x)")
-    k = z_weight[0].shape[-1]
-    if ba_weight.shape != (2 * hv, k) or ba_weight.dtype not in (torch.float16, torch.bfloat16, torch.float32) \
-            or not ba_weight.is_contiguous():
-        raise ValueError(f"ba_weight must be a contiguous [{2 * hv}, {k}] float weight (b's rows, then a's), got "
-                         f"{ba_weight.dtype} {list(ba_weight.shape)}")
 
 
 def _one_step(qkv, z, b, a, window_hist, conv_weight, A_log, dt_bias, norm_weight, s, num_k_heads, eps, defer=False):
@@ -228,69 +193,6 @@ def _gated_norm_store(o, tok, heads, dv, omask, z_ptr, ZS, nw_ptr, out_ptr, HV, 
 
 
 @triton.jit
-def _z_group_loads(q_ptr, s_ptr, ba_ptr, x_row, XS, g, G, col, cmask, N, head, HV, K, M: tl.constexpr,
-                   MP: tl.constexpr, BA: tl.constexpr):
-    """Group g's (of G) part of _input_dots' operands: its 16 words of the z columns [16, BV], their scales [BV], the
-    rows' 128 inputs [MP, 16, 8], and with BA the head's b and a weights over the group [1, 16, 8]; nothing is read
-    past the last group."""
-    w8 = tl.arange(0, 16)
-    r = tl.arange(0, MP)[:, None, None]
-    k_in_group = (w8[:, None] * 8 + tl.arange(0, 8)[None, :])[None]  # [1, 16, 8]: value i of word w is k = 8w + i
-    ok = cmask & (tl.full(col.shape, g, tl.int32) < G)
-    in_group = tl.full([1, 1, 8], g, tl.int32) < G
-    words = tl.load(q_ptr + (g * 16 + w8)[:, None] * N + col[None, :], mask=ok[None, :], other=0)
-    scales = tl.load(s_ptr + g * N + col, mask=ok, other=0)
-    xk = tl.load(x_row + r * XS + g * 128 + k_in_group, mask=(r < M) & in_group, other=0)
-    wb = tl.zeros([1, 16, 8], dtype=tl.float32)
-    wa = tl.zeros([1, 16, 8], dtype=tl.float32)
-    if BA:
-        wb = tl.load(ba_ptr + head * K + g * 128 + k_in_group, mask=in_group, other=0).to(tl.float32)
-        wa = tl.load(ba_ptr + (HV + head) * K + g * 128 + k_in_group, mask=in_group, other=0).to(tl.float32)
-    return words, scales, xk, wb, wa
-
-
-@triton.jit
-def _z_group_math(words, scales, xk, wb, wa, acc, b_acc, a_acc, BA: tl.constexpr):
-    """One group added to the sums: z [MP, BV] (the rows' inputs times its dequantised words, zero 8, scaled), and
-    with BA b and a [MP] (the inputs times the head's two weight rows)."""
-    q = (words[:, None, :] >> (4 * tl.arange(0, 8))[None, :, None]) & 15  # [16, 8, BV]
-    x = xk.to(tl.float32)
-    part = tl.sum(tl.sum(x[:, :, :, None] * (q - 8).to(tl.float32)[None], axis=2), axis=1)
-    acc += part * scales.to(tl.float32)[None, :]
-    if BA:
-        b_acc += tl.sum(tl.sum(x * wb, axis=2), axis=1)
-        a_acc += tl.sum(tl.sum(x * wa, axis=2), axis=1)
-    return acc, b_acc, a_acc
-
-
-@triton.jit
-def _input_dots(x_row, XS, q_ptr, s_ptr, ba_ptr, col, cmask, head, HV, K, N, M: tl.constexpr, MP: tl.constexpr,
-                BA: tl.constexpr, ty: tl.constexpr):
-    """From the sequence's M input rows (x_row its first, rows XS apart; rows past M zero): z [MP, BV] = x times the
-    symmetric INT4 weight's columns `col` (qweight [K/8, N] int32 in GPTQ order: 8 values of k a word, the lowest k in
-    the low nibble, zero 8; scales [K/128, N]), and with BA b, a [MP] = x times rows `head` and HV + `head` of the
-    16-bit [2 HV, K] b/a weight; fp32 sums rounded to the model's dtype, as the projections' outputs are.
-    One group of 128 values a step, four groups' loads in flight (register buffers A-D, each refilled four steps
-    ahead, as int4_tc's loops keep theirs): a program reads 24 KB of words at 122B shapes, and one group at a time
-    would wait a memory round trip per 1 KB."""
-    G = K // 128
-    qa, sa, xa, ba, aa = _z_group_loads(q_ptr, s_ptr, ba_ptr, x_row, XS, 0, G, col, cmask, N, head, HV, K, M, MP, BA)
-    qb, sb, xb, bb, ab = _z_group_loads(q_ptr, s_ptr, ba_ptr, x_row, XS, 1, G, col, cmask, N, head, HV, K, M, MP, BA)
-    qc, sc, xc, bc, ac = _z_group_loads(q_ptr, s_ptr, ba_ptr, x_row, XS, 2, G, col, cmask, N, head, HV, K, M, MP, BA)
-    qd, sd, xd, bd, ad = _z_group_loads(q_ptr, s_ptr, ba_ptr, x_row, XS, 3, G, col, cmask, N, head, HV, K, M, MP, BA)
-    acc = tl.zeros([MP, col.shape[0]], dtype=tl.float32)
-    b_acc = tl.zeros([MP], dtype=tl.float32)
-    a_acc = tl.zeros([MP], dtype=tl.float32)
-    for g in range(0, G):
-        acc, b_acc, a_acc = _z_group_math(qa, sa, xa, ba, aa, acc, b_acc, a_acc, BA)
-        qn, sn, xn, bn, an = _z_group_loads(q_ptr, s_ptr, ba_ptr, x_row, XS, g + 4, G, col, cmask, N, head, HV, K, M,
-                                            MP, BA)
-        qa, sa, xa, ba, aa, qb, sb, xb, bb, ab = qb, sb, xb, bb, ab, qc, sc, xc, bc, ac
-        qc, sc, xc, bc, ac, qd, sd, xd, bd, ad = qd, sd, xd, bd, ad, qn, sn, xn, bn, an
-    return (acc.to(ty).to(tl.float32), b_acc.to(ty).to(tl.float32), a_acc.to(ty).to(tl.float32))
-
-
-@triton.jit
 def _rank_one_update(s, k, d):
     """s + k d^T as one explicit fma per element: left to the compiler, `s = s * decay; s = s + k d^T` contracts one
     way in the decode kernel and another in gdn_replay (where s * decay has no other use), and the replayed state
@@ -306,8 +208,6 @@ def _gdn_decode_kernel(
     GROUP: tl.constexpr, GROUPP: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BV: tl.constexpr,
     NVB, KERNEL: tl.constexpr, RING: tl.constexpr, CONV_TY: tl.constexpr, M: tl.constexpr,
     HAS_SLOTS: tl.constexpr, SAVE_STEPS: tl.constexpr, parts_ptr=None, DEFER: tl.constexpr = False, PDL: tl.constexpr = False,
-    zx_ptr=None, zq_ptr=None, zs_ptr=None, ba_ptr=None, ZK=0, ZXS=0, Z_DOT: tl.constexpr = False,
-    BA_DOT: tl.constexpr = False, MP: tl.constexpr = 1,
 ):
     vb = tl.program_id(0)
     h = tl.program_id(1)
@@ -344,9 +244,6 @@ def _gdn_decode_kernel(
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
     if DEFER:
         nw = tl.load(nw_ptr + vv, mask=vmask, other=0).to(tl.float32)
-    if Z_DOT:  # z (and b, a) from the projections' input, before the wait: see gdn_decode's z_weight
-        z_rows, b_rows, a_rows = _input_dots(zx_ptr + (bi * M).to(tl.int64) * ZXS, ZXS, zq_ptr, zs_ptr, ba_ptr,
-                                             h * DV + vv, vmask, h, HV, ZK, HV * DV, M, MP, BA_DOT, ty)
     wait_for_inputs(PDL)  # qkv, z, b and a come from the projections
     for j in tl.static_range(M):
         tok = bi * M + j
@@ -355,12 +252,8 @@ def _gdn_decode_kernel(
         v = _conv_silu(qkv_row, ring, convw_ptr, cv, vmask, C, QS, first, j, KERNEL, RING, CONV_TY, ty)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * (1.0 / tl.sqrt(DK.to(tl.float32)))
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        if BA_DOT:
-            bv = pick(b_rows, tl.arange(0, MP), j)
-            av = pick(a_rows, tl.arange(0, MP), j)
-        else:
-            bv = tl.load(b_ptr + tok * BS + h).to(tl.float32)
-            av = tl.load(a_ptr + tok * AS + h).to(tl.float32)
+        bv = tl.load(b_ptr + tok * BS + h).to(tl.float32)
+        av = tl.load(a_ptr + tok * AS + h).to(tl.float32)
         beta = (1.0 / (1.0 + tl.exp(-bv))).to(ty).to(tl.float32)
         u = av + dtb
         softplus = tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(u)))
@@ -372,10 +265,7 @@ def _gdn_decode_kernel(
         if DEFER:  # the gated norm without its rms: w * o * silu(z), and o's sum of squares over this block
             of = o.to(ty).to(tl.float32)
             tl.store(parts_ptr + (tok * HV + h) * NVB + vb, tl.sum(of * of, axis=0))
-            if Z_DOT:
-                zz = pick(z_rows, tl.arange(0, MP)[:, None], j)
-            else:
-                zz = tl.load(z_ptr + tok * ZS + h * DV + vv, mask=vmask, other=0).to(tl.float32)
+            zz = tl.load(z_ptr + tok * ZS + h * DV + vv, mask=vmask, other=0).to(tl.float32)
             gated = (nw * of).to(ty).to(tl.float32) * (zz / (1.0 + tl.exp(-zz)))
             tl.store(out_ptr + (tok * HV + h) * DV + vv, gated.to(ty), mask=vmask)
         else:
@@ -416,8 +306,7 @@ _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl
 def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, num_k_heads: int,
                eps: float = 1e-6, *, positions, slots=None, state_rows=None, tokens_per_seq: int = 1,
                step_records=None, out=None, block_v: int | None = None, num_warps: int | None = None,
-               counters=None, defer_norm: bool = False, z_weight: tuple | None = None,
-               ba_weight: torch.Tensor | None = None):
+               counters=None, defer_norm: bool = False):
     """One fused GDN decode step of M = tokens_per_seq tokens per sequence at `positions` (see the module
     docstring); updates the conv rings and state (rows `slots`, or 0..B-1; the state's `state_rows` = (read,
     write)) in place -> [B*M, Hv*dv].
@@ -425,16 +314,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     `defer_norm` -> (out, parts): out is the gated norm without its rms, w * o * silu(z) (o and w * o rounded to the
     model's dtype as the norm rounds its terms), and parts [B*M, Hv, blocks] fp32 each v block's sum of o^2 (o
     rounded): its reader finishes the norm (int4_tc's `head_norm`). No arrival round: each program's work ends with
-    its own stores.
-
-    `z_weight` = (x [B*M, K], qweight [K/8, Hv*dv] int32, scales [K/128, Hv*dv]), with z None and defer_norm (an
-    experiment: benchmarks/ab_step.py's `gdn-z-in-kernel`): each program computes its own z columns from the
-    projection's input x and z's symmetric INT4 weight in GPTQ order (group 128), before its PDL wait, instead of
-    reading z from the merged in_proj_qkv+z GEMV. x must be the input of the kernel launched just before this one
-    (in_proj_qkv's GEMV): that kernel lets this one launch only after its own wait, so x is complete by then.
-    `ba_weight` [2 Hv, K] (16-bit: in_proj_b's rows, then in_proj_a's), with z_weight and b, a None: b and a too,
-    each program its head's two dots from the same x, so no b/a GEMV runs beside in_proj_qkv and this kernel
-    waits on nothing but in_proj_qkv (`gdn-zba-in-kernel`)."""
+    its own stores."""
     m = tokens_per_seq
     n, conv_dim = qkv.shape
     hv, dk, dv = state.shape[1:]
@@ -453,8 +333,6 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     if state_rows is not None and slots is None:
         raise ValueError("state_rows need slots (the conv rings' rows)")
     _check_inputs(bsz, m, conv_state, conv_weight, positions, state, num_k_heads, step_records)
-    zx, zq, zs = _check_z_weight(z_weight, z, defer_norm, n, hv * dv)
-    _check_ba_weight(ba_weight, z_weight, b, a, hv)
     # the conv rings' rows, then the state's read and write rows (all unread without slots: any pointer)
     rows = (slots, *(state_rows or (slots, slots))) if slots is not None else (positions,) * 3
     save_steps = step_records is not None and m > 1
@@ -471,21 +349,16 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     parts = torch.empty(n, hv, nvb, dtype=torch.float32, device=qkv.device) if defer_norm else None
     o_ws = parts if defer_norm else torch.empty(n, hv, dv, dtype=torch.float32, device=qkv.device)  # unread deferred
     cnt = counters if counters is not None else counters_for("gdn_decode", bsz * num_k_heads, qkv.device)
-    (qkv, qs), (z, z_stride), (b, bs), (a, as_) = (rows_in_place(t if t is not None else qkv) for t in (qkv, z, b, a))
-    (zx, zx_stride) = rows_in_place(zx) if zx is not None else (qkv, 0)
+    (qkv, qs), (z, zs), (b, bs), (a, as_) = (rows_in_place(t) for t in (qkv, z, b, a))
     _gdn_decode_kernel[(nvb, hv, bsz)](
         qkv, z, b, a, conv_state, conv_weight.contiguous(),
         A_log, dt_bias, norm_weight, state, out, o_ws, cnt,
         positions, *rows, step_records if save_steps else state,
-        conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, z_stride, bs, as_,
-        step_record_size(num_k_heads, dk, hv, dv),
+        conv_dim, num_k_heads * dk, hv, num_k_heads, dk, dv, eps, qs, zs, bs, as_, step_record_size(num_k_heads, dk, hv, dv),
         GROUP=group, GROUPP=next_pow2(group), BDK=next_pow2(dk), BDV=next_pow2(dv), BV=bv, NVB=nvb,
         KERNEL=conv_weight.shape[-1], RING=conv_state.shape[1], CONV_TY=_TL[conv_weight.dtype], M=m,
         HAS_SLOTS=slots is not None, SAVE_STEPS=save_steps,
         parts_ptr=parts, DEFER=defer_norm,
-        zx_ptr=zx, zq_ptr=qkv if zq is None else zq, zs_ptr=qkv if zs is None else zs,
-        ba_ptr=qkv if ba_weight is None else ba_weight, ZK=0 if zq is None else zx.shape[1], ZXS=zx_stride,
-        Z_DOT=zq is not None, BA_DOT=ba_weight is not None, MP=1 if zq is None else next_pow2(m),
         num_warps=num_warps or (warps if not INTERPRET else 1), **pdl_options(qkv.device),
     )
     return (out, parts) if defer_norm else out

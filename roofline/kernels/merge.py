@@ -74,13 +74,12 @@ def _part_forward(merged: LinearWeight, start: int, stop: int, part: LinearWeigh
 class Projections:
     """Linears that read the same input, called together: `proj(x)` -> one output per part, in order.
 
-    Merged into one weight (one launch) where `merge_blocker` allows and no `keep_apart` reason is given, else each
-    part runs alone."""
+    Merged into one weight (one launch) where `merge_blocker` allows, else each part runs alone."""
 
-    def __init__(self, weights: list[LinearWeight], install_kernel, keep_apart: str | None = None):
+    def __init__(self, weights: list[LinearWeight], install_kernel):
         self.parts = list(weights)
         self.sizes = [w.out_features for w in weights]
-        self.blocker = keep_apart or merge_blocker(self.parts)
+        self.blocker = merge_blocker(self.parts)
         self.merged = None
         if self.blocker is None:
             self.merged = merge_linears(self.parts)

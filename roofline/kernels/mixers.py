@@ -14,7 +14,6 @@ rule where it is installed (`fla_chunked_recurrence`), instead of the reference'
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -39,34 +38,6 @@ def gdn_norm_in_out_proj(gdn: GatedDeltaNet) -> bool:
     """Whether gdn's decode step leaves its gated norm's rms to its out projection (GDN_NORM_IN_OUT_PROJ), where its
     out projection adds the residual."""
     return GDN_NORM_IN_OUT_PROJ and gdn.v_dim % GROUP == 0 and "residual_forward" in gdn.out_proj.__dict__
-
-
-# Where the GDN kernel defers its norm (above), each of its programs can also compute its own z columns and its head's
-# b and a from the layer's input, before its PDL wait (gdn_decode's z_weight and ba_weight): in_proj_qkv's GEMV then
-# runs alone (the 122B's 12288 of 20480 columns), z's bytes stream while it runs, and no b/a GEMV runs beside it, so
-# the GDN kernel has no join. Needs in_proj_z symmetric INT4 of group 128 and in_proj_b, in_proj_a one 16-bit weight
-# (dispatch._install_gdn_inputs_in_kernel splits the merged in_proj_qkv+z at install; z keeps the GPTQ order).
-# Opt-in (ROOFLINE_GDN_INPUTS_IN_KERNEL=1, read at install) until it is timed on a GPU: session 45 built it and no
-# device was lent; `benchmarks/experiments.sh inputs` is the A/B that decides the default (NOTES-kernels, session 45).
-_GDN_INPUTS = os.environ.get("ROOFLINE_GDN_INPUTS_IN_KERNEL", "0")
-if _GDN_INPUTS not in ("0", "1"):
-    raise ValueError(f"ROOFLINE_GDN_INPUTS_IN_KERNEL must be 0 or 1, got {_GDN_INPUTS!r}")
-GDN_INPUTS_IN_KERNEL = _GDN_INPUTS == "1"
-
-
-def gdn_inputs_blocker(gdn: GatedDeltaNet) -> str | None:
-    """Why gdn's kernel cannot compute z, b and a itself (GDN_INPUTS_IN_KERNEL), or None."""
-    from ..quant import DenseWeight, Int4Weight
-    from .int4_gemv import is_symmetric
-
-    z, b_a = gdn.in_proj_z, gdn.merged["b_a"].merged
-    if not gdn_norm_in_out_proj(gdn):
-        return "the GDN kernel does not leave its norm to the out projection"
-    if not isinstance(z, Int4Weight) or z.group_size != GROUP or z.in_features % GROUP or not is_symmetric(z.qzeros):
-        return f"in_proj_z is not symmetric INT4 of group {GROUP}"
-    if not isinstance(b_a, DenseWeight) or b_a.weight.dtype not in (torch.float16, torch.bfloat16):
-        return "in_proj_b and in_proj_a are not one 16-bit weight"
-    return None
 
 
 def out_projection(weight, x: torch.Tensor, residual: torch.Tensor | None, head_norm: tuple | None = None):
@@ -105,22 +76,16 @@ def attention_slot_step(attn: GatedAttention, x: torch.Tensor, batch: SlotBatch,
 
 def gdn_slot_step(gdn: GatedDeltaNet, x: torch.Tensor, batch: SlotBatch, residual: torch.Tensor | None = None):
     step_records = (batch.rollback or {}).get(gdn.layer_idx)
+    (b, a), join = beside(x.device, gdn.merged["b_a"], x)  # the small b/a projection beside the big one
+    qkv, z = gdn.merged["qkv_z"](x)  # each pair one launch where its formats agree (merge.py)
+    join()
     defer = residual is not None and gdn_norm_in_out_proj(gdn)
-    if defer and gdn.inputs_in_kernel:  # z, b and a from their weights in the GDN kernel (GDN_INPUTS_IN_KERNEL)
-        qkv, z, b, a = gdn.in_proj_qkv(x), None, None, None
-        z_proj = gdn.in_proj_z
-        from_weights = {"z_weight": (x, z_proj.qweight, z_proj.scales), "ba_weight": gdn.merged["b_a"].merged.weight}
-    else:
-        (b, a), join = beside(x.device, gdn.merged["b_a"], x)  # the small b/a projection beside the big one
-        qkv, z = gdn.merged["qkv_z"](x)  # each pair one launch where its formats agree (merge.py)
-        join()
-        from_weights = {}
     core = gdn_decode(
         qkv, z, b, a,
         batch.pool.conv[gdn.layer_idx], gdn.conv1d.weight, gdn.A_log, gdn.dt_bias, gdn.norm.weight,
         batch.pool.recurrent[gdn.layer_idx], gdn.num_k_heads, gdn.eps,
         positions=batch.positions, slots=batch.slots, state_rows=(batch.state_in, batch.state_out),
-        tokens_per_seq=batch.tokens_per_seq, step_records=step_records, defer_norm=defer, **from_weights,
+        tokens_per_seq=batch.tokens_per_seq, step_records=step_records, defer_norm=defer,
     )
     head_norm = None
     if defer:

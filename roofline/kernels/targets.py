@@ -28,7 +28,7 @@ def _cases(arch: int):
 
     from .decode_attention import _decode_attn_kernel, _decode_attn_merge_kernel, pipeline_stages
     from .fp8_gemv import _fp8_gemv_kernel
-    from .gdn_decode import ONE_TOKEN_TILE, VERIFY_TILE, _gdn_decode_kernel, _gdn_replay_kernel
+    from .gdn_decode import _gdn_decode_kernel, _gdn_replay_kernel
     from .int4_gemm import _grouped_kernel
     from .int8_lm_head import _int8_rows_dot_kernel
     from .sample_draw import PARAMS, ROW_CHUNK, _draw_candidates_kernel, _row_stats_kernel
@@ -62,13 +62,6 @@ def _cases(arch: int):
         cases.append((f"gdn decode M={m}", _gdn_decode_kernel, {**consts, "DEFER": False}, gdn, ("eps",), 2, 1))
         cases.append((f"gdn decode M={m}, the gated norm's rms left to out_proj (mixers.GDN_NORM_IN_OUT_PROJ)",
                       _gdn_decode_kernel, {**consts, "DEFER": True}, gdn, ("eps",), 2, 1))
-        bv, warps = ONE_TOKEN_TILE if m == 1 else VERIFY_TILE
-        for ba in (False, True):
-            cases.append((f"gdn decode M={m}, z {'and b, a ' if ba else ''}computed in the kernel (gdn_decode's "
-                          f"z_weight{', ba_weight' if ba else ''})", _gdn_decode_kernel,
-                          {**consts, "BV": bv, "DEFER": True, "Z_DOT": True, "BA_DOT": ba, "MP": 1 if m == 1 else 4},
-                          {**gdn, "zx_ptr": "*bf16", "zq_ptr": "*i32", "zs_ptr": "*fp16", "ba_ptr": "*bf16"},
-                          ("eps",), warps, 1))
     cases.append(("gdn replay (the verify's rollback)", _gdn_replay_kernel, {"GROUP": 4, "BDK": 128, "BV": 16},
                   {"state_ptr": "*fp32", "rec_ptr": "*fp32"}, (), 2, 1))
     fp8 = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
