@@ -28,6 +28,9 @@
 #   OUT=... bash benchmarks/experiments.sh floor    # what a kernel costs in a captured PDL chain before any math:
 #                                                   # empty, one arrival round or atomic adds, pure streaming 2-32 MB,
 #                                                   # and (session 20) the whole share loaded before the wait (~2 min)
+#   OUT=... bash benchmarks/experiments.sh persistent # a hand-written CUDA persistent kernel streaming 48 dependent
+#                                                   # GEMVs (2-32 MB) against one launch a GEMV, with and without
+#                                                   # PDL, and kernel_floor's Triton rows (~4 min)
 #   OUT=... bash benchmarks/experiments.sh ab       # in one process on one 122B build (benchmarks/ab_step.py), 3
 #                                                   # alternating rounds of the M = 1 and M = 3 (verify) graphs: the
 #                                                   # default against session 17's router and INT4 configs (session
@@ -122,6 +125,13 @@ case "${1:-}" in
   floor)  # benchmarks/kernel_floor.py: decides whether ~7 kernels a layer can reach 0.70 (NOTES-kernels, session 16)
     timeout 300 python3 benchmarks/kernel_floor.py 2>&1 | tail -40
     ;;
+  persistent)  # benchmarks/persistent_chain.py (session 47): the hand-written CUDA persistent chain's GPU tests, then
+    # its rows (one launch a stage, with and without PDL, against one launch of 48 stages), then kernel_floor.py's
+    # Triton PDL rows on the same card (~4 min)
+    gpu_tests 150 tests/test_persistent_chain.py -m gpu
+    timeout 150 python3 benchmarks/persistent_chain.py 2>&1 | tail -25
+    timeout 200 python3 benchmarks/kernel_floor.py 2>&1 | grep -E "copy|no split|stream (2|8|32) MB, 3 programs" | tail -20
+    ;;
   attn)  # decode attention's tiles at 8K / 32K, M = 1 and 4 (the 32K row is ~0.45 of copy in the step), ~2 min
     timeout 300 python3 benchmarks/kernels.py --only attn 2>&1 | tail -40
     ;;
@@ -180,7 +190,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|pool|splits|ab|trees|trees-ab|ab-order" >&2
+    echo "usage: OUT=DIR bash benchmarks/experiments.sh next|first|table|mtp|shapes|tests|tests-cli|kernels|ncu|attn|floor|persistent|pool|splits|ab|trees|trees-ab|ab-order" >&2
     exit 2
     ;;
 esac
