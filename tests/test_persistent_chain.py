@@ -2,15 +2,18 @@
 NVRTC for the H100/H200 (sm_90) and the DGX Spark (sm_121) without spills and fits their blocks (CPU), and on a GPU
 every launch mode's outputs match the fp32 reference chain."""
 
+import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-import persistent_chain as chain  # noqa: E402
+# loaded by path: benchmarks/ on sys.path would shadow the `kernels` package transformers imports with kernels.py
+_spec = importlib.util.spec_from_file_location("persistent_chain",
+                                               Path(__file__).parents[1] / "benchmarks/persistent_chain.py")
+chain = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(chain)
 
 # GB10 (sm_121): ~99 KB of shared memory a block, 64K registers an SM
 GB10_SHARED = 99 * 1024
