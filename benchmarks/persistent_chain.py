@@ -44,8 +44,12 @@ typedef unsigned long long u64;
 #ifndef PAGE_BYTES
 #define PAGE_BYTES 16384
 #endif
+#ifndef TAGGED
+#define TAGGED 0  /* 1: x_s travels as 64-bit (tag s + 1, value) words and a stage waits on its inputs' tags */
+#endif
 #define CONSUMER_WARPS 8
 #define CONSUMERS (CONSUMER_WARPS * 32)
+#define X_PER_THREAD 16  /* the tagged x load's registers: n <= 16 * CONSUMERS */
 #define SPIN_LIMIT 40000000ULL  /* clock cycles, ~20 ms (a real wait is < 0.1 ms): then give up and record it */
 
 __device__ __forceinline__ u32 smem(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -70,6 +74,15 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 __device__ __forceinline__ void red_release(int* p, int v) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
+__device__ __forceinline__ u64 ld_relaxed64(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_relaxed64(u64* p, u64 v) {
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ u32 tag_of(u64 v) { return (u32)(v >> 32); }
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory"); }
 __device__ __forceinline__ void grid_dependency_wait() {
 #if __CUDA_ARCH__ >= 900
@@ -94,12 +107,51 @@ __device__ __forceinline__ bool spin(F done, int* error, int code, bool& gave_up
     return true;
 }
 
+/* x_s into shared memory from its tagged words: each consumer thread loads its (up to X_PER_THREAD) words at once,
+   then, while any lacks the tag, polls the first of those until it arrives and loads the rest that lack it again.
+   One 64-bit access is single-copy atomic, so a word with the tag holds its value: no counter, no fence. */
+__device__ __forceinline__ void load_tagged(float* x_sh, const u64* x, int n, u32 tag, int* error, bool& gave_up) {
+    u64 v[X_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < X_PER_THREAD; ++j) {
+        const int i = threadIdx.x + j * CONSUMERS;
+        v[j] = i < n ? ld_relaxed64(&x[i]) : (u64)tag << 32;
+    }
+    for (;;) {
+        bool missing = false;
+#pragma unroll
+        for (int j = 0; j < X_PER_THREAD; ++j) missing |= tag_of(v[j]) != tag;
+        if (!missing) break;
+        bool first = true;
+#pragma unroll
+        for (int j = 0; j < X_PER_THREAD; ++j) {
+            if (first && tag_of(v[j]) != tag) {
+                first = false;
+                if (!spin([&] { v[j] = ld_relaxed64(&x[threadIdx.x + j * CONSUMERS]); return tag_of(v[j]) == tag; },
+                          error, 5, gave_up)) {
+                    return;
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < X_PER_THREAD; ++j) {
+            if (tag_of(v[j]) != tag) v[j] = ld_relaxed64(&x[threadIdx.x + j * CONSUMERS]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < X_PER_THREAD; ++j) {
+        const int i = threadIdx.x + j * CONSUMERS;
+        if (i < n) x_sh[i] = __uint_as_float((u32)v[j]);
+    }
+}
+
 __device__ __forceinline__ int items_of(int items, int cta, int grid) {
     return cta < items ? (items - cta + grid - 1) / grid : 0;
 }
 
 /* weights: 2 * stages bf16 [n, n] pointers (stage s: entries 2s, 2s+1, the second used only by routed stages);
-   xs: fp32 [(stages + 1) * n], x_s at s * n; counters: per stage, items finished; error: 0, or where a wait gave up. */
+   xs: [(stages + 1) * n] fp32 (TAGGED: 64-bit words, the tag high), x_s at s * n; counters (not TAGGED): per stage,
+   items finished; error: 0, or which wait gave up. */
 extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
 stream_chain(const unsigned short* const* weights, float* xs, int* counters, int* error,
              int first_stage, int stages, int n, int routed_every, int pdl) {
@@ -129,12 +181,17 @@ stream_chain(const unsigned short* const* weights, float* xs, int* counters, int
             const bool routed = routed_every > 0 && s % routed_every == routed_every - 1;
             int choice = 0;
             if (routed) {  /* the weight depends on the input: wait for it as the consumers do */
-                if (s > first_stage) {
-                    if (!spin([&] { return ld_acquire(&counters[s - 1]) >= items; }, error, 1, gave_up)) return;
-                } else if (pdl) {
-                    grid_dependency_wait();
-                }
+                if (s == first_stage && pdl) grid_dependency_wait();
+#if TAGGED
+                u64 v = 0;
+                const u64* x0 = (const u64*)xs + (size_t)s * n;
+                if (!spin([&] { v = ld_relaxed64(x0); return tag_of(v) == (u32)(s + 1); }, error, 1, gave_up)) return;
+                choice = __uint_as_float((u32)v) > 0.f;
+#else
+                if (s > first_stage &&
+                    !spin([&] { return ld_acquire(&counters[s - 1]) >= items; }, error, 1, gave_up)) return;
                 choice = __ldcg(&xs[(size_t)s * n]) > 0.f;
+#endif
             }
             const unsigned char* w = (const unsigned char*)weights[2 * s + choice];
             for (int item = cta; item < items; item += grid, ++k) {
@@ -158,17 +215,20 @@ stream_chain(const unsigned short* const* weights, float* xs, int* counters, int
     const int row = warp / warps_per_row, span = n / warps_per_row, k0 = (warp % warps_per_row) * span;
     int k = 0;
     for (int s = first_stage; s < first_stage + stages; ++s) {
+        if (s == first_stage && pdl) grid_dependency_wait();
+#if TAGGED  /* the previous item's closing barrier has every warp done with x_sh: no barrier before the load */
+        load_tagged(x_sh, (const u64*)xs + (size_t)s * n, n, s + 1, error, gave_up);
+#else
         if (threadIdx.x == 0 && s > first_stage) {
             spin([&] { return ld_acquire(&counters[s - 1]) >= items; }, error, 3, gave_up);
         }
-        if (s == first_stage && pdl) grid_dependency_wait();
         consumers_sync();
         const float* x = xs + (size_t)s * n;
         for (int i = threadIdx.x * 4; i < n; i += CONSUMERS * 4) {
             *(float4*)&x_sh[i] = __ldcg((const float4*)&x[i]);
         }
+#endif
         consumers_sync();
-        float* y = xs + (size_t)(s + 1) * n;
         int done_here = 0;
         for (int item = cta; item < items; item += grid, ++k) {
             const int page = k % PAGES, use = k / PAGES;
@@ -193,9 +253,14 @@ stream_chain(const unsigned short* const* weights, float* xs, int* counters, int
                 for (int r = 0; r < rows; ++r) {
                     float sum = 0.f;
                     for (int j = 0; j < warps_per_row; ++j) sum += part[r * warps_per_row + j];
-                    y[item * rows + r] = sum;
+#if TAGGED
+                    st_relaxed64((u64*)xs + (size_t)(s + 1) * n + item * rows + r,
+                                 (u64)(s + 2) << 32 | __float_as_uint(sum));
+#else
+                    xs[(size_t)(s + 1) * n + item * rows + r] = sum;
+#endif
                 }
-                if (++done_here == mine) red_release(&counters[s], mine);
+                if (!TAGGED && ++done_here == mine) red_release(&counters[s], mine);
             }
         }
     }
@@ -204,6 +269,7 @@ stream_chain(const unsigned short* const* weights, float* xs, int* counters, int
 
 KERNEL = "stream_chain"
 CONSUMER_WARPS = 8
+X_PER_THREAD = 16
 
 
 def shared_bytes(pages: int, page_bytes: int, n: int) -> int:
@@ -219,7 +285,7 @@ def _checked(result, success, what: str):
     return values[0] if len(values) == 1 else values
 
 
-def compile_cubin(arch: int, pages: int, page_bytes: int) -> tuple[bytes, str]:
+def compile_cubin(arch: int, pages: int, page_bytes: int, tagged: bool = False) -> tuple[bytes, str]:
     """(cubin, NVRTC's log with ptxas' resource lines) of SOURCE for sm_`arch`; RuntimeError with the log."""
     from cuda.bindings import nvrtc
 
@@ -227,7 +293,7 @@ def compile_cubin(arch: int, pages: int, page_bytes: int) -> tuple[bytes, str]:
     prog = _checked(nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"persistent_chain.cu", 0, [], []), ok, "NVRTC")
     try:
         opts = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17", b"--ptxas-options=-v",
-                f"-DPAGES={pages}".encode(), f"-DPAGE_BYTES={page_bytes}".encode()]
+                f"-DPAGES={pages}".encode(), f"-DPAGE_BYTES={page_bytes}".encode(), f"-DTAGGED={int(tagged)}".encode()]
         status = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
         log = b" " * _checked(nvrtc.nvrtcGetProgramLogSize(prog), ok, "NVRTC log")
         _checked(nvrtc.nvrtcGetProgramLog(prog, log), ok, "NVRTC log")
@@ -249,16 +315,19 @@ def _drv(result):
 
 
 class ChainKernel:
-    """SOURCE compiled for this GPU with a ring of `pages` pages, launched with cuLaunchKernelEx on torch's stream."""
+    """SOURCE compiled for this GPU with a ring of `pages` pages (`tagged`: x as tagged words, no counters), launched
+    with cuLaunchKernelEx on torch's stream."""
 
-    def __init__(self, pages: int, page_bytes: int, n: int):
+    def __init__(self, pages: int, page_bytes: int, n: int, tagged: bool = False):
         import torch
         from cuda.bindings import driver
 
+        if tagged and n > X_PER_THREAD * CONSUMER_WARPS * 32:
+            raise ValueError(f"n = {n}: the tagged build loads at most {X_PER_THREAD * CONSUMER_WARPS * 32} inputs")
         major, minor = torch.cuda.get_device_capability()
         torch.zeros(1, device="cuda")  # torch's primary context, current on this thread: the module loads into it
         _drv(driver.cuInit(0))
-        cubin, self.ptxas = compile_cubin(major * 10 + minor, pages, page_bytes)
+        cubin, self.ptxas = compile_cubin(major * 10 + minor, pages, page_bytes, tagged)
         module = _drv(driver.cuModuleLoadData(cubin))
         self.fn = _drv(driver.cuModuleGetFunction(module, KERNEL.encode()))
         self.shared = shared_bytes(pages, page_bytes, n)
@@ -266,7 +335,7 @@ class ChainKernel:
             self.fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.shared))
         self.per_sm = _drv(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
             self.fn, (CONSUMER_WARPS + 1) * 32, self.shared))
-        self.pages, self.page_bytes, self.n, self._module = pages, page_bytes, n, module
+        self.pages, self.page_bytes, self.n, self.tagged, self._module = pages, page_bytes, n, tagged, module
 
     def launch(self, grid: int, args: tuple, pdl: bool):
         import torch
@@ -300,7 +369,8 @@ def reference_chain(weights, x0, routed_every: int) -> list:
 
 class Chain:
     """A chain of `stages` GEMVs of bf16 [n, n] weights on the GPU: two distinct weights a stage (so none is in L2
-    from an earlier stage, and a routed stage has its choice), scaled to keep x near 1, with the kernel's buffers."""
+    from an earlier stage, and a routed stage has its choice), scaled to keep x near 1, with the kernel's buffers.
+    x_0..x_S live in one buffer of 8 bytes an element: fp32 values in its first half, or tagged 64-bit words."""
 
     def __init__(self, n: int, stages: int):
         import torch
@@ -309,7 +379,7 @@ class Chain:
         self.n, self.stages = n, stages
         self.weights = [(torch.randn(n, n, device=dev) / math.sqrt(n)).to(torch.bfloat16) for _ in range(2 * stages)]
         self.pointers = torch.tensor([w.data_ptr() for w in self.weights], dtype=torch.int64, device=dev)
-        self.xs = torch.zeros((stages + 1) * n, dtype=torch.float32, device=dev)
+        self.xs = torch.zeros((stages + 1) * n, 2, dtype=torch.int32, device=dev)
         self.counters = torch.zeros(stages, dtype=torch.int32, device=dev)
         self.error = torch.zeros(1, dtype=torch.int32, device=dev)
 
@@ -321,6 +391,8 @@ class Chain:
 
         def run():
             self.counters.zero_()
+            if kernel.tagged:  # x_1..x_S lose their tags; x_0's (1) stays
+                self.xs[self.n:].zero_()
             if persistent:
                 kernel.launch(grid, buffers + (0, self.stages, self.n, routed_every, 0), pdl=False)
             else:
@@ -329,31 +401,47 @@ class Chain:
 
         return run
 
-    def check(self, run, routed_every: int) -> tuple[int, float]:
+    def check(self, run, routed_every: int, tagged: bool) -> tuple[int, float]:
         """(the kernel's error word, the largest error of any stage's output relative to that output's largest value)
-        for one run from a fresh random x_0 against reference_chain."""
+        for one run from a fresh random x_0 against reference_chain; tagged outputs must carry their stage's tag."""
         import torch
 
         x0 = torch.randn(self.n, device=self.xs.device)
         self.xs.zero_()
-        self.xs[: self.n] = x0
+        if tagged:
+            self.xs[: self.n, 0] = x0.view(torch.int32)
+            self.xs[: self.n, 1] = 1
+        else:
+            self.xs.view(-1)[: self.n] = x0.view(torch.int32)
         self.error.zero_()
         run()
         torch.cuda.synchronize()
         want = reference_chain(self.weights, x0, routed_every)
-        got = self.xs[self.n:].view(self.stages, self.n)
+        if tagged:
+            tags = self.xs[self.n:, 1].view(self.stages, self.n)
+            expected = torch.arange(2, self.stages + 2, device=tags.device)[:, None]
+            if not torch.equal(tags, expected.expand_as(tags).to(tags.dtype)):
+                return int(self.error.item()), math.inf
+            got = self.xs[self.n:, 0].contiguous().view(torch.float32)
+        else:
+            got = self.xs.view(-1)[self.n: (self.stages + 1) * self.n].view(torch.float32)
+        got = got.view(self.stages, self.n)
         return int(self.error.item()), max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want))
 
 
-# (name, ring pages, persistent, pdl, every how many stages one is routed): the pages as two builds, 4 (two blocks fit
-# an SM, so a launch's blocks can start beside the previous one's under PDL) and 12 (192 KB: the producer runs up to
-# 12 pages ahead, across stages)
-VARIANTS = [("one launch a stage", 4, False, False, 0),
-            ("one launch a stage, pdl", 4, False, True, 0),
-            ("persistent", 4, True, False, 0),
-            ("persistent", 12, True, False, 0),
-            ("persistent, every 4th stage routed", 12, True, False, 4),
-            ("one launch a stage, pdl, every 4th stage routed", 4, False, True, 4)]
+# (name, ring pages, persistent, pdl, every how many stages one is routed, tagged x): the pages as two builds, 4 (two
+# blocks fit an SM, so a launch's blocks can start beside the previous one's under PDL) and 12 (192 KB: the producer
+# runs up to 12 pages ahead, across stages); tagged: a stage waits on its inputs' tags (one load and its retries) in
+# place of a release, a poll of a counter and then the load
+VARIANTS = [("one launch a stage", 4, False, False, 0, False),
+            ("one launch a stage, pdl", 4, False, True, 0, False),
+            ("persistent", 4, True, False, 0, False),
+            ("persistent", 12, True, False, 0, False),
+            ("persistent, tagged x", 12, True, False, 0, True),
+            ("persistent, every 4th stage routed", 12, True, False, 4, False),
+            ("persistent, tagged x, every 4th stage routed", 12, True, False, 4, True),
+            ("one launch a stage, pdl, every 4th stage routed", 4, False, True, 4, False)]
+BUILDS = sorted({(pages, tagged) for _, pages, _, _, _, tagged in VARIANTS})
 
 
 def main():
@@ -371,10 +459,11 @@ def main():
     for mb in (2, 8, 32):
         n = math.isqrt(mb * 2**20 // 2)  # bf16 [n, n] of mb MB: 1024, 2048, 4096
         chain = Chain(n, stages)
-        kernels = {pages: ChainKernel(pages, page_bytes, n) for pages in (4, 12)}
-        results["ptxas"][f"n={n}"] = {pages: k.ptxas for pages, k in kernels.items()}
-        for label, pages, persistent, pdl, routed in VARIANTS:
-            name, kernel = f"{mb} MB, {label}, {pages} pages", kernels[pages]
+        kernels = {build: ChainKernel(build[0], page_bytes, n, tagged=build[1]) for build in BUILDS}
+        results["ptxas"][f"n={n}"] = {f"{pages} pages{', tagged' if tagged else ''}": k.ptxas
+                                      for (pages, tagged), k in kernels.items()}
+        for label, pages, persistent, pdl, routed, tagged in VARIANTS:
+            name, kernel = f"{mb} MB, {label}, {pages} pages", kernels[pages, tagged]
             # one block an SM either way, so that the items fall alike and (where two fit) a launch leaves room
             # beside it for the next one's blocks under PDL
             entry = {"variant": name, "n": n, "bytes_per_stage": n * n * 2, "grid": props.multi_processor_count,
@@ -382,7 +471,7 @@ def main():
             results["rows"].append(entry)
             try:
                 run = chain.runner(kernel, props.multi_processor_count, persistent, pdl, routed)
-                entry["error_word"], entry["max_rel_err"] = chain.check(run, routed)
+                entry["error_word"], entry["max_rel_err"] = chain.check(run, routed, tagged)
                 if entry["error_word"] or not entry["max_rel_err"] < 1e-3:
                     entry["failed"] = "a wait gave up" if entry["error_word"] else "outputs differ from the reference"
                     print(f"{name:64s} FAILED: {entry['failed']} (error word {entry['error_word']}, "
@@ -400,17 +489,17 @@ def main():
 
 
 def compile_only(archs: list[int]) -> int:
-    """Compile the two builds for each target; print ptxas' resource lines; 1 if any failed."""
+    """Compile the builds for each target; print ptxas' resource lines; 1 if any failed."""
     failed = 0
     for arch in archs:
-        for pages in (4, 12):
+        for pages, tagged in BUILDS:
             try:
-                _, log = compile_cubin(arch, pages, 16384)
-                print(f"sm_{arch}, {pages} pages: ok")
+                _, log = compile_cubin(arch, pages, 16384, tagged)
+                print(f"sm_{arch}, {pages} pages{', tagged' if tagged else ''}: ok")
                 print("\n".join("  " + line for line in log.splitlines() if "Used" in line or "spill" in line))
             except RuntimeError as exc:
                 failed = 1
-                print(f"sm_{arch}, {pages} pages: {exc}")
+                print(f"sm_{arch}, {pages} pages{', tagged' if tagged else ''}: {exc}")
     return failed
 
 

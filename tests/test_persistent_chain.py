@@ -30,10 +30,10 @@ def _nvrtc_or_skip():
 
 
 @pytest.mark.parametrize("arch", [90, 121])
-@pytest.mark.parametrize("pages", [4, 12])
-def test_the_kernel_compiles_for_hopper_and_gb10_without_spills(arch, pages):
+@pytest.mark.parametrize("pages, tagged", chain.BUILDS)
+def test_the_kernel_compiles_for_hopper_and_gb10_without_spills(arch, pages, tagged):
     _nvrtc_or_skip()
-    cubin, log = chain.compile_cubin(arch, pages, 16384)
+    cubin, log = chain.compile_cubin(arch, pages, 16384, tagged)
     assert cubin[:4] == b"\x7fELF", "NVRTC returned no ELF cubin"
     assert "0 bytes spill stores, 0 bytes spill loads" in log, log
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
@@ -67,16 +67,16 @@ def test_the_reference_chain_routes_on_the_sign_of_its_input():
 @pytest.mark.parametrize("n", [1024, 2048, 4096])
 @pytest.mark.parametrize("variant", chain.VARIANTS, ids=lambda v: f"{v[0]}, {v[1]} pages")
 def test_every_launch_mode_matches_the_reference_chain(n, variant):
-    label, pages, persistent, pdl, routed = variant
+    label, pages, persistent, pdl, routed, tagged = variant
     if pdl and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
-    kernel = chain.ChainKernel(pages, 16384, n)
+    kernel = chain.ChainKernel(pages, 16384, n, tagged)
     if kernel.per_sm < 1:
         pytest.skip(f"{kernel.shared} bytes of shared memory do not fit a block of this GPU")
     stages = 9  # routed stages 3 and 7 with routed_every = 4
     data = chain.Chain(n, stages)
     run = data.runner(kernel, torch.cuda.get_device_properties(0).multi_processor_count, persistent, pdl, routed)
     for _ in range(2):  # a second run from other inputs: the counters and barriers start clean each time
-        error_word, rel_err = data.check(run, routed)
+        error_word, rel_err = data.check(run, routed, tagged)
         assert error_word == 0, f"a wait gave up (code {error_word})"
         assert rel_err < 1e-3
