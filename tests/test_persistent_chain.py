@@ -30,10 +30,10 @@ def _nvrtc_or_skip():
 
 
 @pytest.mark.parametrize("arch", [90, 121])
-@pytest.mark.parametrize("pages, tagged", chain.BUILDS)
-def test_the_kernel_compiles_for_hopper_and_gb10_without_spills(arch, pages, tagged):
+@pytest.mark.parametrize("build", chain.BUILDS, ids=lambda b: b.name())
+def test_the_kernel_compiles_for_hopper_and_gb10_without_spills(arch, build):
     _nvrtc_or_skip()
-    cubin, log = chain.compile_cubin(arch, pages, 16384, tagged)
+    cubin, log = chain.compile_cubin(arch, build)
     assert cubin[:4] == b"\x7fELF", "NVRTC returned no ELF cubin"
     assert "0 bytes spill stores, 0 bytes spill loads" in log, log
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
@@ -42,10 +42,28 @@ def test_the_kernel_compiles_for_hopper_and_gb10_without_spills(arch, pages, tag
 
 
 def test_the_small_ring_fits_a_gb10_block_at_every_size_the_experiment_runs():
-    """The 4-page build (the one launch-a-stage rows use) must fit the Spark's block at n = 4096 (32 MB stages);
-    the 12-page one is for Hopper's 227 KB only."""
-    assert chain.shared_bytes(4, 16384, 4096) <= GB10_SHARED < chain.shared_bytes(12, 16384, 1024)
-    assert chain.shared_bytes(12, 16384, 4096) <= 227 * 1024
+    """The 4-page builds (the one-launch-a-stage rows) must fit the Spark's block at the largest stage (bf16 n = 4096,
+    INT4 n = 8192); the 12-page ones are for Hopper's 227 KB only."""
+    small, deep = chain.Build(4), chain.Build(12)
+    assert chain.shared_bytes(small, 4096) <= GB10_SHARED < chain.shared_bytes(deep, 1024)
+    assert chain.shared_bytes(chain.Build(4, int4=True), 8192) <= GB10_SHARED
+    for build in chain.BUILDS:
+        assert chain.shared_bytes(build, 8192 if build.int4 else 4096) <= 227 * 1024, build
+
+
+def test_int4_pages_hold_gptq_words_then_their_rows_scales():
+    torch.manual_seed(0)
+    n = 2048
+    q = torch.randint(0, 16, (n, n))
+    scales = torch.rand(n, n // 128).half()
+    pages = chain.pack_int4_pages(q, scales)
+    assert pages.shape == (n * n // 2 // chain.INT4_Q_BYTES, chain.INT4_Q_BYTES * 33 // 32)
+    rows = 2 * chain.INT4_Q_BYTES // n  # 16 rows a page
+    words = pages[1, : chain.INT4_Q_BYTES].view(torch.int32).view(rows, n // 8)
+    assert int(words[0, 0]) & 0xF == q[rows, 0] and (int(words[0, 0]) >> 28) & 0xF == q[rows, 7]
+    assert torch.equal(pages[1, chain.INT4_Q_BYTES:].view(torch.float16).view(rows, -1), scales[rows: 2 * rows])
+    want = (q - 8).float() * scales.float().repeat_interleave(128, dim=1)
+    assert torch.equal(chain.dequantize_int4_pages(pages, n), want)
 
 
 def test_the_reference_chain_routes_on_the_sign_of_its_input():
@@ -64,19 +82,18 @@ def test_the_reference_chain_routes_on_the_sign_of_its_input():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1024, 2048, 4096])
-@pytest.mark.parametrize("variant", chain.VARIANTS, ids=lambda v: f"{v[0]}, {v[1]} pages")
-def test_every_launch_mode_matches_the_reference_chain(n, variant):
-    label, pages, persistent, pdl, routed, tagged = variant
-    if pdl and torch.cuda.get_device_capability() < (9, 0):
+@pytest.mark.parametrize("size", [0, 1, 2], ids=["2MB", "8MB", "32MB"])
+@pytest.mark.parametrize("variant", chain.VARIANTS, ids=lambda v: f"{v.label}, {v.build.pages} pages")
+def test_every_launch_mode_matches_the_reference_chain(size, variant):
+    if variant.pdl and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
-    kernel = chain.ChainKernel(pages, 16384, n, tagged)
+    n = [1024, 2048, 4096][size] * (2 if variant.build.int4 else 1)
+    kernel = chain.ChainKernel(variant.build, n)
     if kernel.per_sm < 1:
         pytest.skip(f"{kernel.shared} bytes of shared memory do not fit a block of this GPU")
-    stages = 9  # routed stages 3 and 7 with routed_every = 4
-    data = chain.Chain(n, stages)
-    run = data.runner(kernel, torch.cuda.get_device_properties(0).multi_processor_count, persistent, pdl, routed)
+    data = chain.Chain(n, 9, variant.build.int4)  # routed stages 3 and 7 where every 4th is
+    run = data.runner(kernel, torch.cuda.get_device_properties(0).multi_processor_count, variant)
     for _ in range(2):  # a second run from other inputs: the counters and barriers start clean each time
-        error_word, rel_err = data.check(run, routed, tagged)
+        error_word, rel_err = data.check(run, variant)
         assert error_word == 0, f"a wait gave up (code {error_word})"
-        assert rel_err < 1e-3
+        assert rel_err < chain.tolerance(variant.build)
