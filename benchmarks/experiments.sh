@@ -126,11 +126,11 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/kernel_floor.py 2>&1 | tail -40
     ;;
   persistent)  # benchmarks/persistent_chain.py (session 47): the hand-written CUDA persistent chain's GPU tests, then
-    # its rows (one launch a stage, with and without PDL, against one launch of 48 stages), then kernel_floor.py's
-    # Triton PDL rows on the same card (~4 min)
-    gpu_tests 150 tests/test_persistent_chain.py -m gpu
-    timeout 150 python3 benchmarks/persistent_chain.py 2>&1 | tail -25
-    timeout 200 python3 benchmarks/kernel_floor.py 2>&1 | grep -E "copy|no split|stream (2|8|32) MB, 3 programs" | tail -20
+    # its rows (one launch a stage, with and without PDL, against one launch of 48 stages; bf16 and INT4), then
+    # kernel_floor.py's Triton PDL rows on the same card (~5 min; the limits add up to 550 s)
+    gpu_tests 180 tests/test_persistent_chain.py -m gpu
+    timeout 220 python3 benchmarks/persistent_chain.py 2>&1 | tail -35
+    timeout 150 python3 benchmarks/kernel_floor.py 2>&1 | grep -E "copy|no split|stream (2|8|32) MB, 3 programs" | tail -20
     ;;
   attn)  # decode attention's tiles at 8K / 32K, M = 1 and 4 (the 32K row is ~0.45 of copy in the step), ~2 min
     timeout 300 python3 benchmarks/kernels.py --only attn 2>&1 | tail -40
