@@ -49,6 +49,12 @@ if ls .carry/*/fla_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla-site .carry/*/fla_core-*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/fla-site
 fi
+cuda_bindings() {  # persistent_chain.py's NVRTC and driver calls: the image's cuda-bindings, else a carried cp312 wheel
+  python3 -c "from cuda.bindings import nvrtc; assert nvrtc.nvrtcVersion()[0] == 0" 2>/dev/null && return
+  echo "the image's cuda-bindings does not load NVRTC: installing the carried wheel"
+  python3 -m pip install -q --no-index --no-deps --target /tmp/cuda-site .carry/*/cuda_bindings-*.whl \
+    .carry/*/cuda_pathfinder-*.whl && export PYTHONPATH=/tmp/cuda-site:$PYTHONPATH
+}
 day=$(date -u +%F)
 synthetic() {  # name, time limit, extra flags...: the 122B at context 0, 10 repeats
   local name=$1 limit=$2
@@ -128,6 +134,7 @@ case "${1:-}" in
   persistent)  # benchmarks/persistent_chain.py (session 47): the hand-written CUDA persistent chain's GPU tests, then
     # its rows (one launch a stage, with and without PDL, against one launch of 48 stages; bf16 and INT4), then
     # kernel_floor.py's Triton PDL rows on the same card (~5 min; the limits add up to 550 s)
+    cuda_bindings
     gpu_tests 180 tests/test_persistent_chain.py -m gpu
     timeout 220 python3 benchmarks/persistent_chain.py 2>&1 | tail -35
     timeout 150 python3 benchmarks/kernel_floor.py 2>&1 | grep -E "copy|no split|stream (2|8|32) MB, 3 programs" | tail -20
