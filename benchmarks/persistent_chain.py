@@ -620,7 +620,7 @@ def main():
     for mb in (2, 8, 32):
         for int4 in (False, True):
             # [n, n] of about mb MB: bf16 1024 / 2048 / 4096, INT4 2048 / 4096 / 8192 (its scales 1/32 more)
-            n = math.isqrt(mb * 2**20 * (2 if int4 else 1) // 2)
+            n = math.isqrt(mb * 2**20 * (4 if int4 else 1) // 2)
             chain = Chain(n, stages, int4)
             variants = [v for v in VARIANTS if v.build.int4 == int4]
             kernels = {b: ChainKernel(b, n) for b in sorted({v.build for v in variants})}
