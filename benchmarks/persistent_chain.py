@@ -406,6 +406,33 @@ VARIANTS = [Variant("one launch a stage", Build(4), False),
 BUILDS = sorted({v.build for v in VARIANTS})
 
 
+SIZES_MB = (2, 8, 32)
+
+
+def stage_n(mb: int, int4: bool) -> int:
+    """n of the [n, n] weight of about mb MB: bf16 1024 / 2048 / 4096, INT4 2048 / 4096 / 8192 (its scales 1/32 more)."""
+    return math.isqrt(mb * 2**20 * (4 if int4 else 1) // 2)
+
+
+def layout_problems(build: Build, n: int) -> list[str]:
+    """What in SOURCE's assumptions n breaks for `build` (empty: none): pages of whole rows that the 8 consumer warps
+    split evenly, INT4 groups of 128 and at most two rows a warp, the tagged load's 16 words a thread."""
+    problems = []
+    if build.int4:
+        rows, row_words = 2 * INT4_Q_BYTES // n, n // 8
+        if 2 * INT4_Q_BYTES % n or n % INT4_GROUP or row_words < 256 or (row_words > 512 and row_words % 512):
+            problems.append(f"an INT4 page of {INT4_Q_BYTES} bytes does not split into warps of 512 words at n = {n}")
+    else:
+        rows = build.page_bytes // (2 * n)
+        if build.page_bytes % (2 * n) or rows > CONSUMER_WARPS or CONSUMER_WARPS % rows or n % (8 * 32):
+            problems.append(f"a bf16 page of {build.page_bytes} bytes does not split into the 8 warps at n = {n}")
+    if n % rows:
+        problems.append(f"{n} rows are not whole pages of {rows}")
+    if build.tagged and n > X_PER_THREAD * CONSUMER_WARPS * 32:
+        problems.append(f"the tagged build loads at most {X_PER_THREAD * CONSUMER_WARPS * 32} inputs, not {n}")
+    return problems
+
+
 def shared_bytes(build: Build, n: int) -> int:
     """The kernel's dynamic shared memory: the ring, x (fp32, or fp16 for INT4), the partials, the barriers."""
     return build.pages * build.page_bytes + (2 if build.int4 else 4) * n + 4 * 2 * PARTIALS + 8 * 2 * build.pages
@@ -456,8 +483,8 @@ class ChainKernel:
         import torch
         from cuda.bindings import driver
 
-        if build.tagged and n > X_PER_THREAD * CONSUMER_WARPS * 32:
-            raise ValueError(f"n = {n}: the tagged build loads at most {X_PER_THREAD * CONSUMER_WARPS * 32} inputs")
+        if problems := layout_problems(build, n):
+            raise ValueError(f"{build.name()}: " + "; ".join(problems))
         major, minor = torch.cuda.get_device_capability()
         torch.zeros(1, device="cuda")  # torch's primary context, current on this thread: the module loads into it
         _drv(driver.cuInit(0))
@@ -617,10 +644,9 @@ def main():
     stages = 48
     results = {"experiment": "persistent_chain", "commit": git_commit(), "device": props.name,
                "copy_GBps": round(copy, 1), "copy_ways": ways, "stages": stages, "sms": sms, "rows": [], "ptxas": {}}
-    for mb in (2, 8, 32):
+    for mb in SIZES_MB:
         for int4 in (False, True):
-            # [n, n] of about mb MB: bf16 1024 / 2048 / 4096, INT4 2048 / 4096 / 8192 (its scales 1/32 more)
-            n = math.isqrt(mb * 2**20 * (4 if int4 else 1) // 2)
+            n = stage_n(mb, int4)
             chain = Chain(n, stages, int4)
             variants = [v for v in VARIANTS if v.build.int4 == int4]
             kernels = {b: ChainKernel(b, n) for b in sorted({v.build for v in variants})}

@@ -41,6 +41,18 @@ def test_the_kernel_compiles_for_hopper_and_gb10_without_spills(arch, build):
     assert registers * threads * 2 <= REGISTERS_AN_SM, f"{registers} registers: two blocks no longer fit an SM"
 
 
+@pytest.mark.parametrize("mb", chain.SIZES_MB)
+def test_every_build_runs_every_size_within_the_kernels_layout(mb):
+    """The sizes main() runs fit what the kernel's indexing assumes, and the check names a size that does not."""
+    assert chain.stage_n(mb, False) ** 2 * 2 == chain.stage_n(mb, True) ** 2 // 2 == mb * 2**20  # bf16, INT4 words
+    for build in chain.BUILDS:
+        n = chain.stage_n(mb, build.int4)
+        assert chain.layout_problems(build, n) == [], (build, n)
+        assert chain.shared_bytes(build, n) <= 227 * 1024, (build, n)
+    assert chain.layout_problems(chain.Build(4, int4=True), 1448)  # session 47's first INT4 sizes
+    assert chain.layout_problems(chain.Build(12, tagged=True), 8192)
+
+
 def test_the_small_ring_fits_a_gb10_block_at_every_size_the_experiment_runs():
     """The 4-page builds (the one-launch-a-stage rows) must fit the Spark's block at the largest stage (bf16 n = 4096,
     INT4 n = 8192); the 12-page ones are for Hopper's 227 KB only."""
@@ -87,7 +99,7 @@ def test_the_reference_chain_routes_on_the_sign_of_its_input():
 def test_every_launch_mode_matches_the_reference_chain(size, variant):
     if variant.pdl and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
-    n = [1024, 2048, 4096][size] * (2 if variant.build.int4 else 1)
+    n = chain.stage_n(chain.SIZES_MB[size], variant.build.int4)
     kernel = chain.ChainKernel(variant.build, n)
     if kernel.per_sm < 1:
         pytest.skip(f"{kernel.shared} bytes of shared memory do not fit a block of this GPU")
