@@ -242,10 +242,11 @@ __device__ __forceinline__ int items_of(int items, int cta, int grid) {
 
 /* weights: 2 * stages bf16 [n, n] pointers (stage s: entries 2s, 2s+1, the second used only by routed stages);
    xs: [(stages + 1) * n] fp32 (TAGGED: 64-bit words, the tag high), x_s at s * n; counters (not TAGGED): per stage,
-   items finished; error: 0, or which wait gave up. */
+   items finished; error: 0, or which wait gave up; independent: every stage reads x_0 and waits for nothing (the
+   ring's streaming bound). */
 extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
 stream_chain(const unsigned short* const* weights, float* xs, int* counters, int* error,
-             int first_stage, int stages, int n, int routed_every, int pdl) {
+             int first_stage, int stages, int n, int routed_every, int pdl, int independent) {
     extern __shared__ __align__(128) unsigned char shared[];
     unsigned char* pages = shared;
 #if INT4
@@ -312,14 +313,15 @@ stream_chain(const unsigned short* const* weights, float* xs, int* counters, int
     int k = 0;
     for (int s = first_stage; s < first_stage + stages; ++s) {
         if (s == first_stage && pdl) grid_dependency_wait();
+        const int input = independent ? 0 : s;
 #if TAGGED  /* the previous item's closing barrier has every warp done with x_sh: no barrier before the load */
-        load_tagged(x_sh, (const u64*)xs + (size_t)s * n, n, s + 1, error, gave_up);
+        load_tagged(x_sh, (const u64*)xs + (size_t)input * n, n, input + 1, error, gave_up);
 #else
-        if (threadIdx.x == 0 && s > first_stage) {
+        if (threadIdx.x == 0 && s > first_stage && !independent) {
             spin([&] { return ld_acquire(&counters[s - 1]) >= items; }, error, 3, gave_up);
         }
         consumers_sync();
-        const float* x = xs + (size_t)s * n;
+        const float* x = xs + (size_t)input * n;
 #if INT4  /* as fp16, each 8 as the pairs the nibbles pair with */
         for (int c = threadIdx.x; c < n / 8; c += CONSUMERS) {
             const float4 a = __ldcg((const float4*)&x[c * 8]), b = __ldcg((const float4*)&x[c * 8 + 4]);
@@ -388,6 +390,7 @@ class Variant(NamedTuple):
     persistent: bool    # one launch for all stages, or one launch a stage
     pdl: bool = False   # programmatic dependent launch between the one-stage launches
     routed_every: int = 0  # every how many stages one picks its weight from its input (0: none)
+    independent: bool = False  # every stage reads x_0 and waits for nothing: the ring's streaming bound
 
 
 # The ring as 4 pages (two blocks fit an SM, so a launch's blocks can start beside the previous one's under PDL) or
@@ -398,11 +401,13 @@ VARIANTS = [Variant("one launch a stage", Build(4), False),
             Variant("persistent", Build(4), True),
             Variant("persistent", Build(12), True),
             Variant("persistent, tagged x", Build(12, tagged=True), True),
+            Variant("persistent, stages independent (the bound)", Build(12), True, independent=True),
             Variant("persistent, every 4th stage routed", Build(12), True, routed_every=4),
             Variant("persistent, tagged x, every 4th stage routed", Build(12, tagged=True), True, routed_every=4),
             Variant("one launch a stage, pdl, every 4th stage routed", Build(4), False, pdl=True, routed_every=4),
             Variant("int4, one launch a stage, pdl", Build(4, int4=True), False, pdl=True),
-            Variant("int4, persistent", Build(12, int4=True), True)]
+            Variant("int4, persistent", Build(12, int4=True), True),
+            Variant("int4, persistent, stages independent (the bound)", Build(12, int4=True), True, independent=True)]
 BUILDS = sorted({v.build for v in VARIANTS})
 
 
@@ -514,7 +519,7 @@ class ChainKernel:
             config.attrs, config.numAttrs = [attr], 1
         else:
             config.numAttrs = 0
-        types = (ctypes.c_void_p,) * 4 + (ctypes.c_int,) * 5
+        types = (ctypes.c_void_p,) * 4 + (ctypes.c_int,) * 6
         _drv(driver.cuLaunchKernelEx(config, self.fn, (args, types), 0))
 
 
@@ -540,14 +545,15 @@ def dequantize_int4_pages(pages, n: int):
     return (q - 8).float() * scales.float().repeat_interleave(INT4_GROUP, dim=1)
 
 
-def reference_chain(weights, x0, routed_every: int, int4: bool = False) -> list:
+def reference_chain(weights, x0, routed_every: int, int4: bool = False, independent: bool = False) -> list:
     """x_1..x_S in fp32 from the weights (bf16 [n, n], or INT4 pages with x rounded to fp16 as the kernel's),
-    a routed stage taking its second weight where its input's x[0] > 0."""
+    a routed stage taking its second weight where its input's x[0] > 0; `independent`: every stage from x_0."""
     xs, x = [], x0
     for s in range(len(weights) // 2):
+        x_in = x0 if independent else x
         routed = routed_every > 0 and s % routed_every == routed_every - 1
-        w = weights[2 * s + (1 if routed and x[0] > 0 else 0)]
-        x = dequantize_int4_pages(w, x.numel()) @ x.half().float() if int4 else w.float() @ x
+        w = weights[2 * s + (1 if routed and x_in[0] > 0 else 0)]
+        x = dequantize_int4_pages(w, x.numel()) @ x_in.half().float() if int4 else w.float() @ x_in
         xs.append(x)
     return xs
 
@@ -583,17 +589,17 @@ class Chain:
         if kernel.build.int4 != self.int4 or kernel.n != self.n:
             raise ValueError(f"a kernel built for {kernel.build.name()}, n = {kernel.n} on a chain of n = {self.n}")
         buffers = (self.pointers.data_ptr(), self.xs.data_ptr(), self.counters.data_ptr(), self.error.data_ptr())
-        routed, pdl = variant.routed_every, variant.pdl
+        routed, pdl, independent = variant.routed_every, variant.pdl, int(variant.independent)
 
         def run():
             self.counters.zero_()
             if kernel.build.tagged:  # x_1..x_S lose their tags; x_0's (1) stays
                 self.xs[self.n:].zero_()
             if variant.persistent:
-                kernel.launch(grid, buffers + (0, self.stages, self.n, routed, 0), pdl=False)
+                kernel.launch(grid, buffers + (0, self.stages, self.n, routed, 0, independent), pdl=False)
             else:
                 for s in range(self.stages):
-                    kernel.launch(grid, buffers + (s, 1, self.n, routed, int(pdl)), pdl=pdl)
+                    kernel.launch(grid, buffers + (s, 1, self.n, routed, int(pdl), independent), pdl=pdl)
 
         return run
 
@@ -613,7 +619,7 @@ class Chain:
         self.error.zero_()
         run()
         torch.cuda.synchronize()
-        want = reference_chain(self.weights, x0, variant.routed_every, self.int4)
+        want = reference_chain(self.weights, x0, variant.routed_every, self.int4, variant.independent)
         if tagged:
             tags = self.xs[self.n:, 1].view(self.stages, self.n)
             expected = torch.arange(2, self.stages + 2, device=tags.device, dtype=tags.dtype)[:, None]

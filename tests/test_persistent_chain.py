@@ -91,6 +91,8 @@ def test_the_reference_chain_routes_on_the_sign_of_its_input():
         assert torch.equal(got[0], x1) and torch.equal(got[1], x2)
     plain = chain.reference_chain(weights, x0, routed_every=0)
     assert torch.equal(plain[1], weights[2].float() @ plain[0])
+    independent = chain.reference_chain(weights, x0, routed_every=0, independent=True)
+    assert torch.equal(independent[1], weights[2].float() @ x0)
 
 
 @pytest.mark.gpu
