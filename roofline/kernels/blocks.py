@@ -205,11 +205,16 @@ def mlp_forward(mlp: MLP, x: torch.Tensor, norm: NormOnLoad | None = None,
     return mlp.down_proj.residual_forward(act, residual.contiguous())[0]
 
 
+def dense_residual_in_gemvs(layer: DecoderLayer) -> bool:
+    """Whether the dense layer's residual adds run in its out and down projections' epilogues: its
+    `residual_in_gemvs` while DENSE_RESIDUAL_IN_GEMVS (read here, at call time)."""
+    return DENSE_RESIDUAL_IN_GEMVS and getattr(layer, "residual_in_gemvs", False)
+
+
 def out_proj_adds_residual(layer: DecoderLayer) -> bool:
     """Whether the layer's pooled decode step hands its mixer the residual, for the out projection to add: the MoE
-    layer's `norm_in_gemvs`, or the dense layer's `residual_in_gemvs` while DENSE_RESIDUAL_IN_GEMVS (read here, at
-    call time)."""
-    return getattr(layer, "norm_in_gemvs", False) or (DENSE_RESIDUAL_IN_GEMVS and getattr(layer, "residual_in_gemvs", False))
+    layer's `norm_in_gemvs`, or dense_residual_in_gemvs."""
+    return getattr(layer, "norm_in_gemvs", False) or dense_residual_in_gemvs(layer)
 
 
 def layer_forward(layer: DecoderLayer, x: torch.Tensor, batch) -> torch.Tensor:
@@ -219,7 +224,7 @@ def layer_forward(layer: DecoderLayer, x: torch.Tensor, batch) -> torch.Tensor:
         return DecoderLayer.forward(layer, x, batch)
     mixer = layer.self_attn if layer.layer_type == "full_attention" else layer.linear_attn
     norm = layer.post_attention_layernorm
-    dense_residual = DENSE_RESIDUAL_IN_GEMVS and getattr(layer, "residual_in_gemvs", False)
+    dense_residual = dense_residual_in_gemvs(layer)
     if isinstance(batch, SlotBatch) and out_proj_adds_residual(layer):
         h, sumsq = mixer.slot_step(layer.input_layernorm(x), batch, residual=x.contiguous())
         if dense_residual:

@@ -308,7 +308,7 @@ def _install_merged_projections(model: torch.nn.Module, installed: Counter) -> N
 
 def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
     """Decoder layers, MoE blocks and MLPs with fewer launches for decode rows (blocks.py)."""
-    from .blocks import (DENSE_RESIDUAL_IN_GEMVS, fused_router, layer_forward, mlp_forward, moe_forward, norm_in_gemvs,
+    from .blocks import (dense_residual_in_gemvs, fused_router, layer_forward, mlp_forward, moe_forward, norm_in_gemvs,
                          out_proj_adds_residual, residual_in_gemvs)
     from .int4_gemv import is_symmetric
     from .mixers import gdn_norm_in_out_proj
@@ -334,10 +334,9 @@ def _install_blocks(model: torch.nn.Module, installed: Counter) -> None:
         if isinstance(module, DecoderLayer):
             module.norm_in_gemvs = norm_in_gemvs(module, model.dtype)
             module.residual_in_gemvs = residual_in_gemvs(module, model.dtype)
-            dense_residual = module.residual_in_gemvs and DENSE_RESIDUAL_IN_GEMVS
             if module.norm_in_gemvs:
                 installed["layer add + norm in out_proj's epilogue and the MoE GEMVs' prologues"] += 1
-            if dense_residual:
+            if dense_residual_in_gemvs(module):
                 installed["dense layer's residual adds in out_proj's and down_proj's epilogues"] += 1
             if (out_proj_adds_residual(module) and module.layer_type != "full_attention"
                     and gdn_norm_in_out_proj(module.linear_attn)):
