@@ -50,6 +50,9 @@ if ls .carry/*/fla_core-*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=$PYTHONPATH:/tmp/fla-site
 fi
 cuda_bindings() {  # persistent_chain.py's NVRTC and driver calls: the image's cuda-bindings, else a carried cp312 wheel
+  local nvrtc  # torch's own NVRTC, on the loader's path in case cuda-bindings does not look where pip put it
+  nvrtc=$(python3 -c "import glob, os, torch; print(next(iter(glob.glob(os.path.dirname(torch.__file__) + '/../nvidia/**/libnvrtc.so.*', recursive=True)), ''))")
+  [ -n "$nvrtc" ] && export LD_LIBRARY_PATH=$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   python3 -c "from cuda.bindings import nvrtc; assert nvrtc.nvrtcVersion()[0] == 0" 2>/dev/null && return
   echo "the image's cuda-bindings does not load NVRTC: installing the carried wheel"
   python3 -m pip install -q --no-index --no-deps --target /tmp/cuda-site .carry/*/cuda_bindings-*.whl \
