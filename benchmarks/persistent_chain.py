@@ -528,9 +528,10 @@ def pack_int4_pages(q, scales):
     INT4_Q_BYTES of GPTQ words (8 nibbles a word along K, nibble i at bits 4i) followed by the same rows' scales."""
     import torch
 
+    from roofline.quant.int4 import pack_cols
+
     n = q.shape[0]
-    words = sum(q[:, i::8].to(torch.int64) << (4 * i) for i in range(8))
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same bits as int32
+    words = pack_cols(q)  # [n, n / 8]: 8 nibbles along K a word, the checkpoint's bit patterns
     items = n * n // 2 // INT4_Q_BYTES
     return torch.cat([words.reshape(items, -1).view(torch.uint8), scales.reshape(items, -1).view(torch.uint8)], 1)
 
@@ -539,8 +540,9 @@ def dequantize_int4_pages(pages, n: int):
     """fp32 [n, n] of pack_int4_pages' output."""
     import torch
 
-    words = pages[:, :INT4_Q_BYTES].contiguous().view(torch.int32).reshape(n, n // 8)
-    q = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=2).reshape(n, n)
+    from roofline.quant.int4 import unpack_cols
+
+    q = unpack_cols(pages[:, :INT4_Q_BYTES].contiguous().view(torch.int32).reshape(n, n // 8))
     scales = pages[:, INT4_Q_BYTES:].contiguous().view(torch.float16).reshape(n, n // INT4_GROUP)
     return (q - 8).float() * scales.float().repeat_interleave(INT4_GROUP, dim=1)
 
