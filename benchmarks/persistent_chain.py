@@ -43,28 +43,17 @@ SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-#ifndef PAGES
-#define PAGES 4
-#endif
-#ifndef PAGE_BYTES
-#define PAGE_BYTES 16384
-#endif
-#ifndef TAGGED
-#define TAGGED 0  /* 1: x_s travels as 64-bit (tag s + 1, value) words and a stage waits on its inputs' tags */
-#endif
-#ifndef INT4
-#define INT4 0    /* 1: W in GPTQ's INT4 (8 nibbles a word along K, offset 8, an fp16 scale per 128), x as fp16 */
-#endif
+/* Set by compile_cubin (-D), from the Python constants below and the Build: PAGES and PAGE_BYTES (the ring), TAGGED
+   (x_s travels as 64-bit (tag s + 1, value) words and a stage waits on its inputs' tags), INT4 (W in GPTQ's INT4:
+   8 nibbles a word along K, offset 8, an fp16 scale per 128; x as fp16), CONSUMER_WARPS, PARTIALS (an item's warp
+   partials: 2 rows a warp at most) and X_PER_THREAD (the tagged x load's registers: n <= X_PER_THREAD * CONSUMERS). */
 #if INT4 && TAGGED
 #error "the INT4 build keeps the counters"
 #endif
 #if INT4
 #define Q_BYTES (PAGE_BYTES / 33 * 32)  /* an INT4 page: Q_BYTES of words, then Q_BYTES / 32 of fp16 scales */
 #endif
-#define CONSUMER_WARPS 8
 #define CONSUMERS (CONSUMER_WARPS * 32)
-#define PARTIALS 16      /* an item's warp partials: 2 rows a warp at most */
-#define X_PER_THREAD 16  /* the tagged x load's registers: n <= 16 * CONSUMERS */
 #define SPIN_LIMIT 40000000ULL  /* clock cycles, ~20 ms (a real wait is < 0.1 ms): then give up and record it */
 
 __device__ __forceinline__ u32 smem(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -363,7 +352,7 @@ stream_chain(const unsigned short* const* weights, float* xs, int* counters, int
 """
 
 KERNEL = "stream_chain"
-CONSUMER_WARPS = 8
+CONSUMER_WARPS = 8  # SOURCE's constants (compile_cubin passes them), which shared_bytes and the checks read too
 PARTIALS = 16
 X_PER_THREAD = 16
 INT4_GROUP = 128
@@ -459,7 +448,8 @@ def compile_cubin(arch: int, build: Build) -> tuple[bytes, str]:
     prog = _checked(nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"persistent_chain.cu", 0, [], []), ok, "NVRTC")
     try:
         opts = [f"--gpu-architecture=sm_{arch}", "-std=c++17", "--ptxas-options=-v", f"-DPAGES={build.pages}",
-                f"-DPAGE_BYTES={build.page_bytes}", f"-DTAGGED={int(build.tagged)}", f"-DINT4={int(build.int4)}"]
+                f"-DPAGE_BYTES={build.page_bytes}", f"-DTAGGED={int(build.tagged)}", f"-DINT4={int(build.int4)}",
+                f"-DCONSUMER_WARPS={CONSUMER_WARPS}", f"-DPARTIALS={PARTIALS}", f"-DX_PER_THREAD={X_PER_THREAD}"]
         status = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])[0]
         log = b" " * _checked(nvrtc.nvrtcGetProgramLogSize(prog), ok, "NVRTC log")
         _checked(nvrtc.nvrtcGetProgramLog(prog, log), ok, "NVRTC log")
